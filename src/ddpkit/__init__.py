@@ -1,0 +1,9 @@
+"""ddpkit: data-parallel training for PyTorch, on every device available."""
+
+from ddpkit.dist import DistEnv, destroy, init_distributed
+from ddpkit.errors import ConfigError
+from ddpkit.launch import LaunchError, launch
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "DistEnv", "LaunchError", "__version__", "destroy", "init_distributed", "launch"]

@@ -1,0 +1,135 @@
+"""Process-group set-up and tear-down: one call gives a ready ``DistEnv``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.dist.env import DistEnv, read_launcher_vars
+from ddpkit.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+# Start-up waits for every rank to arrive, which on a busy cluster can take minutes (the seeds'
+# "skewed processing speeds"); a generous default avoids spurious timeouts there.
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (respects taskset and cgroup CPU sets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def resolve_backend(backend: str, local_world_size: int, gpu_count: int | None = None) -> str:
+    """Turn ``auto`` into a concrete backend and check that the choice can work here.
+
+    Args:
+        backend: ``auto``, ``gloo``, ``nccl`` or ``mpi``.
+        local_world_size: processes on this node, each of which needs its own GPU for nccl.
+        gpu_count: GPUs visible; ``torch.cuda.device_count()`` when None.
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if backend == "auto":
+        return "nccl" if gpus >= local_world_size > 0 and gpus > 0 else "gloo"
+    if backend == "nccl" and gpus < local_world_size:
+        fix = f"--nproc {gpus} or --backend gloo" if gpus else "--backend gloo on a machine without GPUs"
+        raise ConfigError(
+            f"backend nccl needs one GPU per process: {local_world_size} processes on this node "
+            f"but {gpus} GPUs visible; use {fix}"
+        )
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ConfigError("backend mpi needs a torch built with MPI, and this one is not; use --backend gloo")
+    return backend
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def init_distributed(
+    backend: str = "auto",
+    init_method: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> DistEnv:
+    """Join the process group described by the launcher's variables and return this process's DistEnv.
+
+    One code path for one process and many: without any launcher this makes a world of size 1.
+    The device is set before the process group is created, so NCCL binds each rank to its own GPU.
+
+    Args:
+        backend: ``auto`` (nccl when every local rank has a GPU, else gloo), ``gloo``, ``nccl``, ``mpi``.
+        init_method: ``env://``, ``tcp://HOST:PORT`` or ``file://PATH``; None takes what the launcher set.
+        rank: global rank, for tcp:// and file:// without a launcher; None takes the launcher's.
+        world_size: world size likewise.
+        timeout: how long collectives and start-up wait for the other ranks.
+    """
+    found = read_launcher_vars()
+    rank = found.rank if rank is None else rank
+    world_size = found.world_size if world_size is None else world_size
+    local_world_size, local_rank = found.local_world_size, found.local_rank
+    chosen = resolve_backend(backend, local_world_size)
+    device = _device_for(chosen, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, cpu_cores() // local_world_size))
+    _init_group(chosen, init_method or found.init_method, rank, world_size, timeout)
+    env = DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=found.node_rank,
+        device=device,
+        backend=chosen,
+        launcher=found.launcher,
+    )
+    log.debug("joined process group: %s", env)
+    return env
+
+
+def _init_group(
+    backend: str, init_method: str | None, rank: int, world_size: int, timeout: timedelta
+) -> None:
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a process group is already initialized in this process; call ddpkit.destroy() first"
+        )
+    if init_method is None:
+        if world_size != 1:
+            raise ConfigError(
+                f"world_size {world_size} needs an init_method (env://, tcp://HOST:PORT or file://PATH) "
+                "or a launcher such as ddpkit run"
+            )
+        # A world of one needs no rendezvous: an in-memory store is enough.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    _check_init_method(init_method)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+    )
+
+
+def _check_init_method(init_method: str) -> None:
+    if not init_method.startswith(("env://", "tcp://", "file://")):
+        raise ConfigError(
+            f"unsupported init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///PATH"
+        )
+
+
+def destroy() -> None:
+    """Leave the process group; safe to call twice or when none was created."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

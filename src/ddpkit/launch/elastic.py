@@ -1,0 +1,188 @@
+"""The script launcher: PyTorch's own elastic agent (torch.distributed.run), with friendlier checks.
+
+``ddpkit run`` accepts every torchrun flag (it uses torchrun's own parser), adds ``--nproc`` as a
+short name for ``--nproc-per-node``, checks the inputs a user can get wrong before any process
+starts, and turns a worker failure into a short report naming the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from ddpkit.dist import cpu_cores
+from ddpkit.errors import ConfigError
+from ddpkit.launch.ports import check_port_free
+
+# The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
+LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
+    (
+        ("--nproc", "--nproc-per-node", "--nproc_per_node"),
+        {"default": "auto", "help": "processes on this node: a number, or auto (GPU count, else CPU cores)"},
+    ),
+    (("--nnodes",), {"default": "1", "help": "nodes, or MIN:MAX for an elastic job"}),
+    (
+        ("--node-rank", "--node_rank"),
+        {"type": int, "default": 0, "help": "this node's index (static rendezvous)"},
+    ),
+    (("--master-addr", "--master_addr"), {"default": "127.0.0.1", "help": "address of node 0"}),
+    (("--master-port", "--master_port"), {"type": int, "default": None, "help": "port on node 0"}),
+    (("--rdzv-backend", "--rdzv_backend"), {"default": "static", "help": "static or c10d"}),
+    (("--rdzv-endpoint", "--rdzv_endpoint"), {"default": "", "help": "HOST:PORT of the c10d rendezvous"}),
+    (("--rdzv-id", "--rdzv_id"), {"default": "none", "help": "job id shared by all nodes"}),
+    (("--max-restarts", "--max_restarts"), {"type": int, "default": 0, "help": "restarts before failing"}),
+    (("--standalone",), {"action": "store_true", "help": "single node, rendezvous on a free local port"}),
+]
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the torchrun launch flags to a ``ddpkit`` sub-command's parser."""
+    group = parser.add_argument_group("launch (the same flags as torchrun / ddpkit run)")
+    for flags, kwargs in LAUNCH_FLAGS:
+        group.add_argument(*flags, **kwargs)
+
+
+def torchrun_argv(ns: argparse.Namespace) -> list[str]:
+    """Turn parsed launch flags back into torchrun's command line (script arguments not included)."""
+    argv = [
+        "--nproc-per-node",
+        str(ns.nproc),
+        "--nnodes",
+        ns.nnodes,
+        "--node-rank",
+        str(ns.node_rank),
+        "--master-addr",
+        ns.master_addr,
+        "--rdzv-backend",
+        ns.rdzv_backend,
+        "--rdzv-id",
+        ns.rdzv_id,
+        "--max-restarts",
+        str(ns.max_restarts),
+    ]
+    if ns.master_port is not None:
+        argv += ["--master-port", str(ns.master_port)]
+    if ns.rdzv_endpoint:
+        argv += ["--rdzv-endpoint", ns.rdzv_endpoint]
+    if ns.standalone:
+        argv.append("--standalone")
+    return argv
+
+
+def run_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser, named ``ddpkit run``, with ``--nproc`` as a short flag."""
+    parser = torchrun.get_args_parser()
+    parser.prog = "ddpkit run"
+    parser.description = "Launch a training script on every process, exactly like torchrun."
+    # Same destination as --nproc-per-node; SUPPRESS keeps torchrun's default when it is absent.
+    parser.add_argument(
+        "--nproc",
+        dest="nproc_per_node",
+        default=argparse.SUPPRESS,
+        help="short for --nproc-per-node; auto = GPU count, or one per CPU core",
+    )
+    return parser
+
+
+def resolve_nproc(value: str) -> int:
+    """Processes per node from ``--nproc``: a positive number, ``auto``, ``cpu`` or ``gpu``."""
+    if value == "auto":
+        return torch.cuda.device_count() or cpu_cores()
+    if value == "cpu":
+        return cpu_cores()
+    if value == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--nproc gpu needs GPUs and none is visible; use --nproc auto or a number")
+        return torch.cuda.device_count()
+    try:
+        nproc = int(value)
+    except ValueError:
+        raise ConfigError(f"--nproc {value!r} is not a number; use a positive integer or auto") from None
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} is below 1; use a positive integer or auto")
+    return nproc
+
+
+def nnodes_range(value: str) -> tuple[int, int]:
+    """``--nnodes`` as (min, max): ``2`` -> (2, 2), ``1:4`` -> (1, 4)."""
+    parts = value.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        low, high = 0, -1
+    if not 0 < low <= high:
+        raise ConfigError(
+            f"--nnodes {value!r} is not N or MIN:MAX with 1 <= MIN <= MAX; for example --nnodes 2"
+        )
+    return low, high
+
+
+def check_launch_args(ns: argparse.Namespace) -> None:
+    """Check launch flags in place (``nproc_per_node`` becomes a number) before any process starts."""
+    ns.nproc_per_node = str(resolve_nproc(str(ns.nproc_per_node)))
+    nnodes_range(ns.nnodes)
+    if ns.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {ns.max_restarts} is below 0; use 0 or more")
+    hosts_store = ns.rdzv_backend == "static" and not ns.rdzv_endpoint and ns.node_rank == 0
+    if ns.master_port is not None and hosts_store and not ns.standalone:
+        check_port_free(ns.master_port)
+
+
+def check_script(ns: argparse.Namespace) -> None:
+    """A missing script would fail in every worker at once; say so here, once."""
+    if ns.module or ns.no_python:
+        return
+    if not Path(ns.training_script).is_file():
+        raise ConfigError(f"script {ns.training_script!r} does not exist; give the path of a Python file")
+
+
+def set_thread_default(nproc: int) -> None:
+    """Share the cores among the workers (torchrun would give each worker a single thread)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
+
+
+def run_elastic(ns: argparse.Namespace) -> None:
+    """Start the workers under torchrun's elastic agent and wait for them.
+
+    Raises:
+        ConfigError: a bad flag, found before anything starts.
+        WorkerFailure: a worker failed (after any restarts); the message names the rank.
+    """
+    check_launch_args(ns)
+    set_thread_default(int(ns.nproc_per_node))
+    try:
+        torchrun.run(ns)
+    except ChildFailedError as exc:
+        raise WorkerFailure.from_child_failed(exc) from None
+
+
+class WorkerFailure(RuntimeError):
+    """A worker of an elastic job failed.
+
+    Args:
+        rank: global rank of the first failure.
+        exitcode: its exit code (negative: killed by a signal).
+        detail: the traceback the worker recorded, or how it exited.
+    """
+
+    def __init__(self, rank: int, exitcode: int, detail: str) -> None:
+        super().__init__(f"rank {rank} failed (exit code {exitcode}): {detail}")
+        self.rank, self.exitcode, self.detail = rank, exitcode, detail
+
+    @classmethod
+    def from_child_failed(cls, exc: ChildFailedError) -> WorkerFailure:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode < 0:
+            detail = f"killed by signal {failure.signal_name()}"
+        elif isinstance(failure.message, dict):
+            # Written by @record in the worker: {"message": ..., "extraInfo": {"py_callstack": ...}}
+            info = failure.message.get("extraInfo", {})
+            detail = info.get("py_callstack") or failure.message.get("message", "no message")
+        else:
+            detail = "see the worker's output above for its traceback"
+        return cls(rank, failure.exitcode, detail.strip())

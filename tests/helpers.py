@@ -1,0 +1,44 @@
+"""Helpers shared by the tests: run a function on N gloo ranks, list leftover processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ddpkit
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(env, *args)`` on ``world_size`` ranks joined over ``backend``; return each rank's result.
+
+    ``fn`` must live at module level so it pickles into the spawned children. The rendezvous uses
+    a free port that ``ddpkit.launch`` picks, never a fixed one.
+    """
+    return ddpkit.launch(_rank_main, world_size, (fn, backend, args))
+
+
+def _rank_main(fn: Callable[..., Any], backend: str, args: tuple) -> Any:
+    env = ddpkit.init_distributed(backend)
+    try:
+        return fn(env, *args)
+    finally:
+        ddpkit.destroy()
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """Live processes below ``pid`` (this process by default), read from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":  # zombies are dead already; their parent just has not reaped them
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {os.getpid() if pid is None else pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
