@@ -7,6 +7,7 @@ rank and its traceback with exit code 1.
 from __future__ import annotations
 
 import argparse
+import importlib
 import shutil
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ USAGE = """usage: ddpkit COMMAND [ARGS]
 commands:
   train [WORKLOAD]   train a built-in workload (gpt, convnet, toy) on every process
   run SCRIPT         launch a script on every process, exactly like torchrun
+  bench KIND         benchmarks: engine, comm, scaling
 
 ddpkit COMMAND --help shows the flags of a command."""
 
@@ -133,7 +135,19 @@ def cmd_run(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "run": cmd_run}
+BENCHMARKS = ("engine", "comm", "scaling")
+
+
+def cmd_bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        got = argv[0] if argv else "nothing"
+        raise ConfigError(f"ddpkit bench needs one of {', '.join(BENCHMARKS)}, got {got!r}")
+    # Each benchmark lives in ddpkit/bench/KIND.py with main(argv) -> exit code; imported on demand.
+    module = importlib.import_module(f"ddpkit.bench.{argv[0]}")
+    return module.main(argv[1:])
+
+
+COMMANDS = {"train": cmd_train, "run": cmd_run, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
