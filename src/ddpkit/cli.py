@@ -18,7 +18,6 @@ from ddpkit import __version__
 from ddpkit.dist import resolve_backend
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import (
-    WorkerFailure,
     add_launch_flags,
     check_launch_args,
     check_script,
@@ -27,6 +26,7 @@ from ddpkit.launch.elastic import (
     run_parser,
     torchrun_argv,
 )
+from ddpkit.launch.failures import WorkerFailure
 from ddpkit.train.config import TrainConfig, check_split
 from ddpkit.train.workloads import WORKLOADS, with_defaults
 

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ddpkit.dist import cpu_cores
 from ddpkit.errors import ConfigError
+from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.ports import check_port_free
 
 # The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
@@ -159,30 +160,3 @@ def run_elastic(ns: argparse.Namespace) -> None:
         torchrun.run(ns)
     except ChildFailedError as exc:
         raise WorkerFailure.from_child_failed(exc) from None
-
-
-class WorkerFailure(RuntimeError):
-    """A worker of an elastic job failed.
-
-    Args:
-        rank: global rank of the first failure.
-        exitcode: its exit code (negative: killed by a signal).
-        detail: the traceback the worker recorded, or how it exited.
-    """
-
-    def __init__(self, rank: int, exitcode: int, detail: str) -> None:
-        super().__init__(f"rank {rank} failed (exit code {exitcode}): {detail}")
-        self.rank, self.exitcode, self.detail = rank, exitcode, detail
-
-    @classmethod
-    def from_child_failed(cls, exc: ChildFailedError) -> WorkerFailure:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode < 0:
-            detail = f"killed by signal {failure.signal_name()}"
-        elif isinstance(failure.message, dict):
-            # Written by @record in the worker: {"message": ..., "extraInfo": {"py_callstack": ...}}
-            info = failure.message.get("extraInfo", {})
-            detail = info.get("py_callstack") or failure.message.get("message", "no message")
-        else:
-            detail = "see the worker's output above for its traceback"
-        return cls(rank, failure.exitcode, detail.strip())

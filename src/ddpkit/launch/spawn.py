@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,21 +18,8 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from ddpkit.errors import ConfigError
+from ddpkit.launch.failures import LaunchError, is_peer_failure
 from ddpkit.launch.ports import free_port
-
-
-class LaunchError(RuntimeError):
-    """A child process failed; the others were stopped.
-
-    Args:
-        rank: the rank that failed first.
-        detail: its traceback, or how it exited (code or signal).
-    """
-
-    def __init__(self, rank: int, detail: str) -> None:
-        super().__init__(f"rank {rank} failed: {detail}")
-        self.rank = rank
-        self.detail = detail
 
 
 def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list[Any]:
@@ -51,18 +40,31 @@ def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list
         try:
             mp.start_processes(_child, args=child_args, nprocs=nproc, join=True, start_method="spawn")
         except mp.ProcessRaisedException as exc:
-            raise LaunchError(exc.error_index, _traceback_of(exc)) from None
+            rank, detail = _first_failure(Path(results), exc)
+            raise LaunchError(rank, detail) from None
         except mp.ProcessExitedException as exc:
             how = f"killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
             raise LaunchError(exc.error_index, how) from None
         return [_load_result(Path(results), rank) for rank in range(nproc)]
 
 
-def _traceback_of(exc: mp.ProcessRaisedException) -> str:
-    # torch prefixes the child's traceback with a banner line; keep only the traceback.
-    text = str(exc)
-    marker = "terminated with the following error:\n"
-    return text.split(marker, 1)[-1].strip()
+def _first_failure(results: Path, exc: mp.ProcessRaisedException) -> tuple[int, str]:
+    """The rank whose failure caused the others.
+
+    When one rank raises, its peers soon fail too ("connection closed by peer" in gloo) and torch
+    may notice a peer first; a failing rank's own ``finally: destroy()`` can even make the peers
+    fail before it records its error. So the cause is the earliest failure that is not a peer
+    failure (see ``is_peer_failure``); only if all are, the earliest of those.
+    """
+    failures = []
+    for path in results.glob("failure-rank*.pkl"):
+        with open(path, "rb") as f:
+            failures.append(pickle.load(f))
+    if not failures:
+        # torch prefixes the child's traceback with a banner line; keep only the traceback.
+        return exc.error_index, str(exc).split("terminated with the following error:\n", 1)[-1].strip()
+    _, _, rank, detail = min(failures)
+    return rank, detail
 
 
 def _child(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, results: str) -> None:
@@ -77,7 +79,13 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, por
         GROUP_RANK="0",
         DDPKIT_LAUNCHER="ddpkit",
     )
-    result = fn(*args)
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        consequence = is_peer_failure(exc)
+        with open(Path(results) / f"failure-rank{local_rank}.pkl", "wb") as f:
+            pickle.dump((consequence, time.time(), local_rank, traceback.format_exc().strip()), f)
+        raise
     with open(Path(results) / f"rank{local_rank}.pkl", "wb") as f:
         pickle.dump(result, f)
 

@@ -1,0 +1,57 @@
+"""ddpkit.launch: results per rank, and a failing rank stops the others and is named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from helpers import run_ranks
+
+import ddpkit
+from ddpkit.errors import ConfigError
+
+
+def _rank_and_world(env) -> tuple[int, int]:
+    return env.rank, env.world_size
+
+
+def test_returns_each_ranks_result():
+    assert run_ranks(_rank_and_world, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def _rank1_raises_others_wait(env) -> None:
+    if env.rank == 1:
+        raise ValueError("rank one cannot go on")
+    # The others block in a collective that rank 1 never joins: the launcher must stop them.
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def test_failing_rank_is_reported_and_others_stopped():
+    start = time.monotonic()
+    with pytest.raises(ddpkit.LaunchError) as info:
+        run_ranks(_rank1_raises_others_wait, 3)
+    assert info.value.rank == 1
+    assert "ValueError: rank one cannot go on" in info.value.detail
+    assert "Traceback" in info.value.detail
+    assert time.monotonic() - start < 60  # gloo's own timeout is 30 minutes: we did not wait for it
+
+
+def _rank0_killed(env) -> None:
+    if env.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+
+
+def test_killed_rank_is_reported_with_its_signal():
+    with pytest.raises(ddpkit.LaunchError, match="rank 0 failed: killed by SIGKILL"):
+        run_ranks(_rank0_killed, 2)
+
+
+@pytest.mark.parametrize("nproc", [0, -1, "2"])
+def test_nproc_must_be_positive_int(nproc):
+    with pytest.raises(ConfigError, match="nproc must be a positive integer"):
+        ddpkit.launch(_rank_and_world, nproc)
