@@ -1,0 +1,115 @@
+"""A resumable distributed sampler whose unit is the global batch, not the rank.
+
+Each epoch has one global permutation, drawn from (seed, epoch) alone. Step k of an epoch takes
+the next ``global_batch`` entries of it, and rank r takes its contiguous slice of those. The whole
+state is (epoch, consumed): the number of samples the world has taken this epoch. Because that
+state says nothing about the world size, a run resumed on 1 process or on 4 continues with exactly
+the samples the original run would have used next.
+
+Compare torch's DistributedSampler: it pads each rank's share to equal length (repeating samples)
+and deals samples round-robin, so its order changes with the world size and it cannot resume
+mid-epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddpkit.errors import ConfigError
+
+
+@dataclass
+class SamplerState:
+    """Where the sampler is: ``consumed`` samples of epoch ``epoch`` have been taken by the world."""
+
+    epoch: int = 0
+    consumed: int = 0
+
+
+class GlobalBatchSampler:
+    """Hands each rank its share of every global batch, in an order fixed by (seed, epoch).
+
+    Args:
+        num_samples: size of the dataset.
+        global_batch: samples per step over all ranks.
+        rank: this process's global rank.
+        world_size: number of ranks.
+        seed: seeds the per-epoch permutation; the same on every rank.
+        shuffle: permute each epoch (else dataset order).
+        drop_last: skip an epoch's final partial global batch; by default it is used, so no
+            sample of an epoch is ever dropped, and ranks then get unequal (possibly empty) shares.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        if num_samples < 1:
+            raise ConfigError("the dataset is empty; a sampler needs at least one sample")
+        if drop_last and num_samples < global_batch:
+            raise ConfigError(
+                f"--global-batch {global_batch} exceeds the dataset's {num_samples} samples with drop_last; "
+                "use a smaller global batch"
+            )
+        self.num_samples, self.global_batch = num_samples, global_batch
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.state = SamplerState()
+        self._order: torch.Tensor | None = None
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order is None:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.state.epoch)
+                self._order = torch.randperm(self.num_samples, generator=gen)
+            else:
+                self._order = torch.arange(self.num_samples)
+        return self._order
+
+    def _epoch_done(self) -> bool:
+        left = self.num_samples - self.state.consumed
+        return left == 0 or (self.drop_last and left < self.global_batch)
+
+    def next_global_batch(self) -> list[int]:
+        """Dataset indices of the whole next global batch (every rank computes the same list)."""
+        if self._epoch_done():
+            self.state = SamplerState(epoch=self.state.epoch + 1)
+            self._order = None
+        start = self.state.consumed
+        batch = self._epoch_order()[start : start + self.global_batch].tolist()
+        self.state.consumed += len(batch)
+        return batch
+
+    def rank_slice(self, batch: list[int]) -> list[int]:
+        """This rank's contiguous share of a global batch; shares differ by at most one sample."""
+        base, extra = divmod(len(batch), self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return batch[start : start + base + (1 if self.rank < extra else 0)]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.num_samples, self.global_batch)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.state.epoch, "consumed": self.state.consumed, "seed": self.seed,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved state; refuses one saved for another dataset or seed."""
+        for key in ("seed", "num_samples"):
+            if state[key] != getattr(self, key):
+                raise ConfigError(
+                    f"checkpoint sampler has {key}={state[key]} but this run has {key}={getattr(self, key)}; "
+                    "resume with the same dataset and --seed, or start a new --out"
+                )
+        self.state = SamplerState(epoch=state["epoch"], consumed=state["consumed"])
+        self._order = None
