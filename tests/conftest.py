@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch._dynamo  # noqa: F401  (its import sets TORCHINDUCTOR_CACHE_DIR; do it before any test)
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))

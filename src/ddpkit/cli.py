@@ -7,6 +7,7 @@ rank and its traceback with exit code 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import shutil
 import sys
@@ -16,7 +17,7 @@ import torch.distributed.run as torchrun
 
 from ddpkit import __version__
 from ddpkit.dist import resolve_backend
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch.elastic import (
     add_launch_flags,
     check_launch_args,
@@ -27,7 +28,7 @@ from ddpkit.launch.elastic import (
     torchrun_argv,
 )
 from ddpkit.launch.failures import WorkerFailure
-from ddpkit.train.config import TrainConfig, check_split
+from ddpkit.train.config import TrainConfig, check_same_run, check_split
 from ddpkit.train.workloads import WORKLOADS, with_defaults
 
 USAGE = """usage: ddpkit COMMAND [ARGS]
@@ -36,15 +37,10 @@ commands:
   train [WORKLOAD]   train a built-in workload (gpt, convnet, toy) on every process
   run SCRIPT         launch a script on every process, exactly like torchrun
   bench KIND         benchmarks: engine, comm, scaling
+  report OUT         summarize a run and plot OUT/report.png
+  inspect PATH       show and verify what a checkpoint holds
 
 ddpkit COMMAND --help shows the flags of a command."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (exit code 2), like every other user error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message}; see {self.prog} --help")
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -63,38 +59,53 @@ def train_parser() -> argparse.ArgumentParser:
         "--engine", default="torch", help="gradient sync engine: torch (DistributedDataParallel)"
     )
     parser.add_argument("--data", help="a UTF-8 text file (gpt) or an MNIST IDX directory (convnet)")
+    parser.add_argument(
+        "--micro-batch", type=int, help="samples per forward/backward; accumulates under no_sync"
+    )
+    parser.add_argument("--epochs", type=int, help="passes over the data (instead of --steps)")
+    parser.add_argument("--precision", default="fp32", help="fp32, bf16, or fp16 (GPU)")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm; 0 disables")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
+    parser.add_argument(
+        "--resume", default="never", help="never, auto (newest good checkpoint in --out) or PATH"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="evaluate on the held-out split every N steps"
+    )
+    parser.add_argument("--log-samples", action="store_true", help="log each rank's dataset indices per step")
+    parser.add_argument(
+        "--drop-last", action="store_true", help="skip each epoch's final partial global batch"
+    )
     add_launch_flags(parser)
     return parser
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    cfg = TrainConfig(
-        workload=ns.workload,
-        steps=ns.steps,
-        global_batch=ns.global_batch,
-        lr=ns.lr,
-        warmup_steps=ns.warmup_steps,
-        seed=ns.seed,
-        out=ns.out or f"runs/{ns.workload}",
-        log_every=ns.log_every,
-        backend=ns.backend,
-        engine=ns.engine,
-        data=ns.data,
-    )
-    return with_defaults(cfg)
+    """Map the parsed flags onto TrainConfig by name; the workload fills what is left unset."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {name: value for name, value in vars(ns).items() if name in names}
+    values["out"] = ns.out or f"runs/{ns.workload}"
+    return with_defaults(TrainConfig(**values))
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Make ``out`` empty and ready; never delete anything that is not a ddpkit run."""
+def prepare_out(cfg: TrainConfig, overwrite: bool) -> None:
+    """Make ``cfg.out`` ready; never delete anything that is not a ddpkit run, never resume another run."""
+    out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file, not a directory; choose another --out")
+    saved = out / "config.json"
     if out.is_dir() and any(out.iterdir()):
+        if cfg.resume != "never" and not overwrite:
+            if saved.is_file():
+                check_same_run(TrainConfig.from_json(saved.read_text(encoding="utf-8")), cfg)
+            return
         if not overwrite:
             raise ConfigError(
-                f"--out {str(out)!r} already holds a run; pass --overwrite to replace it, "
-                "or choose another --out"
+                f"--out {str(out)!r} already holds a run; pass --resume auto to continue it, "
+                "--overwrite to replace it, or choose another --out"
             )
-        if not (out / "config.json").is_file():
+        if not saved.is_file():
             raise ConfigError(
                 f"--out {str(out)!r} holds files that are not a ddpkit run; "
                 "--overwrite only replaces ddpkit runs, so choose another --out"
@@ -117,7 +128,7 @@ def cmd_train(argv: list[str]) -> int:
         check_split(cfg.global_batch, nodes * nproc)
     out = Path(cfg.out)
     if ns.node_rank == 0:
-        prepare_out(out, ns.overwrite)
+        prepare_out(cfg, ns.overwrite)
         (out / "config.json").write_text(cfg.to_json(), encoding="utf-8")
     torch_ns.training_script_args = [str(out / "config.json")]
     run_elastic(torch_ns)
@@ -147,7 +158,25 @@ def cmd_bench(argv: list[str]) -> int:
     return module.main(argv[1:])
 
 
-COMMANDS = {"train": cmd_train, "run": cmd_run, "bench": cmd_bench}
+def cmd_report(argv: list[str]) -> int:
+    from ddpkit.train.report import main as report_main
+
+    return report_main(argv)
+
+
+def cmd_inspect(argv: list[str]) -> int:
+    from ddpkit.checkpoint.inspect import main as inspect_main
+
+    return inspect_main(argv)
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "run": cmd_run,
+    "bench": cmd_bench,
+    "report": cmd_report,
+    "inspect": cmd_inspect,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

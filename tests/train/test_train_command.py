@@ -61,7 +61,7 @@ def test_gpt_trains_and_prints_a_sample(tmp_path):
 def test_existing_out_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["train", "toy", "--out", str(tmp_path)]) == 2
-    assert "already holds a run; pass --overwrite" in capsys.readouterr().err
+    assert "already holds a run; pass --resume auto to continue it, --overwrite to replace it" in capsys.readouterr().err
     # --overwrite replaces ddpkit runs only, never a directory of the user's own files.
     assert main(["train", "toy", "--out", str(tmp_path), "--overwrite"]) == 2
     assert "not a ddpkit run" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from ddpkit.errors import ConfigError
 
 ENGINES = ("torch",)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,17 @@ class TrainConfig:
         engine: gradient-synchronization engine: ``torch`` (DistributedDataParallel).
         data: dataset path: a UTF-8 text file for gpt, an MNIST IDX directory for convnet.
         grad_clip: clip the global gradient norm to this value; 0 disables clipping.
+        micro_batch: samples per forward/backward on one rank; smaller than the rank's share of the
+            global batch means gradient accumulation (under no_sync). None: the whole share at once.
+        epochs: run this many passes over the data instead of ``steps``.
+        precision: fp32, bf16 (autocast on CPU and GPU) or fp16 (autocast with a GradScaler, GPU only).
+        weight_decay: AdamW weight decay on matrices.
+        save_every: write a checkpoint every this many steps (and at the end); 0 disables.
+        keep_last: checkpoints to keep.
+        resume: ``never``, ``auto`` (newest good checkpoint in OUT/checkpoints) or a checkpoint path.
+        eval_every: evaluate on the held-out split every this many steps (and at the end); 0 disables.
+        log_samples: each rank writes OUT/samples/rank{R}.jsonl with the dataset indices of each step.
+        drop_last: skip each epoch's final partial global batch.
     """
 
     workload: str = "gpt"
@@ -42,14 +54,33 @@ class TrainConfig:
     engine: str = "torch"
     data: str | None = None
     grad_clip: float = 1.0
+    micro_batch: int | None = None
+    epochs: int | None = None
+    precision: str = "fp32"
+    weight_decay: float = 0.1
+    save_every: int = 0
+    keep_last: int = 2
+    resume: str = "never"
+    eval_every: int = 0
+    log_samples: bool = False
+    drop_last: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "log_every"):
+        for name in ("steps", "global_batch", "log_every", "micro_batch", "epochs", "keep_last"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {value} is below 1; use a positive integer")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr {self.lr} must be positive, for example --lr 3e-4")
+        for name in ("save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} is below 0; use 0 to disable"
+                )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown --engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
 
@@ -67,6 +98,33 @@ class TrainConfig:
 
     def replace(self, **changes: object) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+# Fields that define which run this is: a resume with any of them changed would be another run.
+RUN_IDENTITY = (
+    "workload",
+    "global_batch",
+    "seed",
+    "lr",
+    "warmup_steps",
+    "data",
+    "micro_batch",
+    "precision",
+    "weight_decay",
+    "grad_clip",
+    "drop_last",
+)
+
+
+def check_same_run(saved: TrainConfig, current: TrainConfig) -> None:
+    """Refuse to resume a run under settings that would make it a different run."""
+    for name in RUN_IDENTITY:
+        before, now = getattr(saved, name), getattr(current, name)
+        if before != now:
+            raise ConfigError(
+                f"--resume: the run in {current.out!r} has {name}={before!r} but this command gives {now!r}; "
+                f"use the same {name}, or --overwrite / another --out for a new run"
+            )
 
 
 def check_split(global_batch: int, world_size: int) -> None:

@@ -1,24 +1,34 @@
-"""The training loop every rank runs: shard the data, step the model, log on rank 0."""
+"""The Trainer: global-batch steps, gradient accumulation, mixed precision, logging, exact resume.
+
+One step is one global batch of ``cfg.global_batch`` samples whatever the world size: each rank
+takes its slice (GlobalBatchSampler), splits it into micro-batches, accumulates gradients under
+``no_sync`` and reduces once. Each rank's loss is a sum over its samples divided by the global
+sample count (times world_size, because the engine averages over ranks), so one step is the same
+update on 1 process or on 64.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
+from torch.utils.data import Dataset
 
+from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
+from ddpkit.train import checkpointing
+from ddpkit.train.batches import collate, micro_batches
+from ddpkit.train.callbacks import Callback, MetricsFile, ProgressBar, SampleLog
 from ddpkit.train.config import TrainConfig, check_split
-from ddpkit.train.metrics import MetricsLog, plot_loss
 from ddpkit.train.schedule import warmup_cosine
-from ddpkit.train.workloads import Job
 
 log = logging.getLogger(__name__)
 
@@ -33,105 +43,184 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
+def wrap_model(model: nn.Module, env: DistEnv, engine: str) -> nn.Module:
+    """Wrap the local replica in the gradient-synchronization engine (rank 0's weights are broadcast)."""
+    device_ids = [env.local_rank] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
 class Trainer:
-    """Trains ``job.model`` wrapped in DistributedDataParallel for ``cfg.steps`` steps.
+    """Trains a model data-parallel on every rank of ``env``.
 
     Args:
-        job: model, dataset and loss of the workload.
-        cfg: the run's configuration, with the workload defaults filled in.
+        model: the bare model (on any device; moved to ``env.device``).
+        dataset: map-style dataset of (input, target) pairs.
+        loss_fn: ``loss_fn(output, target)`` -> mean loss over the batch.
         env: this process's distributed environment.
+        cfg: steps, batch sizes, schedule, precision, checkpointing and logging settings.
+        optimizer: defaults to AdamW over the wrapped model's parameters.
+        eval_dataset: held-out (input, target) pairs, evaluated exactly over the whole split.
+        callbacks: extra callbacks, run after the built-in progress bar and metrics file.
     """
 
-    def __init__(self, job: Job, cfg: TrainConfig, env: DistEnv) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        dataset: Dataset,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        env: DistEnv,
+        cfg: TrainConfig,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        eval_dataset: Dataset | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
         check_split(cfg.global_batch, env.world_size)
-        self.job, self.cfg, self.env = job, cfg, env
-        model = job.model.to(env.device)
-        # DDP broadcasts rank 0's parameters here, so every replica starts identical.
-        self.model = DistributedDataParallel(
-            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None
+        if cfg.precision == "fp16" and env.device.type != "cuda":
+            raise ConfigError(
+                "--precision fp16 needs a GPU (it scales the loss with a GradScaler); "
+                "use --precision bf16 on CPU"
+            )
+        self.env, self.cfg, self.loss_fn = env, cfg, loss_fn
+        self.dataset, self.eval_dataset = dataset, eval_dataset
+        self.model = wrap_model(model.to(env.device), env, cfg.engine)
+        self.optimizer = optimizer or make_optimizer(self.model.module, cfg.lr, cfg.weight_decay)
+        self.sampler = GlobalBatchSampler(
+            len(dataset), cfg.global_batch, env.rank, env.world_size, seed=cfg.seed, drop_last=cfg.drop_last
         )
-        self.optimizer = make_optimizer(self.model, cfg.lr)
-        self.sampler = DistributedSampler(
-            job.dataset,
-            num_replicas=env.world_size,
-            rank=env.rank,
-            shuffle=True,
-            seed=cfg.seed,
-            drop_last=True,
-        )
-        self.loader = DataLoader(
-            job.dataset, batch_size=cfg.global_batch // env.world_size, sampler=self.sampler, drop_last=True
-        )
+        self.total_steps = cfg.steps if cfg.epochs is None else cfg.epochs * self.sampler.steps_per_epoch
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.precision == "fp16")
         self.out = Path(cfg.out)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl") if env.is_rank0 else None
+        self.step = 0
         self.records: list[dict] = []
-
-    def _batches(self) -> Iterator[tuple[Tensor, Tensor]]:
-        epoch = 0
-        while True:
-            # Without set_epoch every epoch would replay the same order: the seeds' classic bug.
-            self.sampler.set_epoch(epoch)
-            yield from self.loader
-            epoch += 1
-
-    def _run_batch(self, x: Tensor, y: Tensor, lr: float) -> Tensor:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
-        loss = self.job.loss_fn(self.model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces gradient buckets while backward runs
-        if self.cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        return loss.detach()
+        self.timers = {"data_s": 0.0, "compute_s": 0.0}
+        self.callbacks = [
+            ProgressBar(),
+            MetricsFile(),
+            *([SampleLog()] if cfg.log_samples else []),
+            *callbacks,
+        ]
 
     def fit(self) -> list[dict]:
-        """Run all steps; returns the logged records (on every rank)."""
-        cfg = self.cfg
-        bar = tqdm(total=cfg.steps, disable=not self.env.is_rank0, unit="step", dynamic_ncols=True)
-        window_loss, window_steps, window_start = torch.zeros(()), 0, time.perf_counter()
-        for step, (x, y) in zip(range(1, cfg.steps + 1), self._batches(), strict=False):
-            lr = warmup_cosine(step, cfg.lr, cfg.warmup_steps, cfg.steps)
-            window_loss += self._run_batch(x, y, lr).cpu()
-            window_steps += 1
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                record = self._log(step, lr, window_loss / window_steps, window_steps, window_start)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", samples_per_s=f"{record['samples_per_s']:.0f}")
-                window_loss, window_steps, window_start = torch.zeros(()), 0, time.perf_counter()
-        bar.close()
+        """Run to ``total_steps`` (resuming first if asked); returns the logged records."""
+        checkpointing.maybe_resume(self)
+        self._emit("on_fit_start")
+        window = _Window(self.env.device)
+        while self.step < self.total_steps:
+            self.step += 1
+            indices, loss_sum = self._run_step()
+            window.add(loss_sum, len(indices))
+            self._emit("on_step_end", self.step, indices)
+            self._after_step(window)
+        self._emit("on_fit_end")
         return self.records
 
-    def _log(self, step: int, lr: float, mean_loss: Tensor, steps: int, start: float) -> dict:
-        # Every rank reaches this step, so the all-reduce is matched: the logged loss is the global mean.
-        loss = mean_loss.to(self.env.device).clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        elapsed = time.perf_counter() - start
+    def _after_step(self, window: _Window) -> None:
+        last = self.step == self.total_steps
+        evals = (
+            self.evaluate() if self._due(self.cfg.eval_every, last) and self.eval_dataset is not None else {}
+        )
+        if self.step % self.cfg.log_every == 0 or last or evals:
+            self._emit("on_log", self._log(window, evals))
+            window.reset()
+        if self._due(self.cfg.save_every, last):
+            checkpointing.save(self)
+
+    def _due(self, every: int, last: bool) -> bool:
+        return every > 0 and (self.step % every == 0 or last)
+
+    def _run_step(self) -> tuple[list[int], Tensor]:
+        lr = warmup_cosine(self.step, self.cfg.lr, self.cfg.warmup_steps, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.sampler.next_global_batch()
+        mine = self.sampler.rank_slice(batch)
+        # A rank left without samples (an epoch's last, partial batch) still joins the gradient
+        # all-reduce, with one sample at weight 0, or the other ranks would wait for it forever.
+        chunks, weight = (micro_batches(mine, self.cfg.micro_batch), 1.0) if mine else ([batch[:1]], 0.0)
+        scale = weight * self.env.world_size / len(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, chunk in enumerate(chunks):
+            # no_sync on all but the last micro-batch: gradients accumulate locally, reduced once.
+            sync = contextlib.nullcontext() if i == len(chunks) - 1 else self.model.no_sync()
+            with sync:
+                loss_sum += self._run_micro(chunk, scale)
+        self._optimizer_step()
+        return mine, loss_sum * weight
+
+    def _run_micro(self, chunk: list[int], scale: float) -> Tensor:
+        start = time.perf_counter()
+        x, y = collate(self.dataset, chunk, self.env.device)
+        fetched = time.perf_counter()
+        dtype = torch.float16 if self.cfg.precision == "fp16" else torch.bfloat16
+        with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.cfg.precision != "fp32"):
+            summed = self.loss_fn(self.model(x), y).float() * len(chunk)
+        self.scaler.scale(summed * scale).backward()
+        self.timers["data_s"] += fetched - start
+        self.timers["compute_s"] += time.perf_counter() - fetched
+        return summed.detach()
+
+    def _optimizer_step(self) -> None:
+        start = time.perf_counter()
+        if self.cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.timers["compute_s"] += time.perf_counter() - start
+
+    def _log(self, window: _Window, extra: dict) -> dict:
+        # Every rank logs at the same steps, so this all-reduce is matched on all of them.
+        totals = torch.stack(
+            [window.loss_sum.float(), torch.tensor(float(window.samples), device=self.env.device)]
+        )
+        dist.all_reduce(totals)
+        elapsed = time.perf_counter() - window.start
         record = {
-            "step": step,
-            "loss": loss.item() / self.env.world_size,
-            "samples_per_s": steps * self.cfg.global_batch / elapsed,
-            "lr": lr,
+            "step": self.step,
+            "loss": (totals[0] / totals[1]).item(),
+            "samples_per_s": totals[1].item() / elapsed,
+            "lr": self.optimizer.param_groups[0]["lr"],
             "time_s": elapsed,
+            **{k: round(v, 6) for k, v in self.timers.items()},
+            **extra,
         }
         self.records.append(record)
-        if self.metrics is not None:
-            self.metrics.write(record)
         return record
 
-    def finish(self) -> str | None:
-        """On rank 0: save the model and the loss curve, and run the workload's finish (a GPT sample)."""
-        if not self.env.is_rank0:
-            return None
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean loss over the whole held-out split: each sample counted once, no padding."""
         module = self.model.module
-        save_state_dict(module.state_dict(), self.out / "model.pt")
-        plot_loss(self.records, self.out / "loss.png", title=f"{self.cfg.workload}: training loss")
-        return self.job.finish(module) if self.job.finish else None
+        module.eval()
+        mine = list(range(self.env.rank, len(self.eval_dataset), self.env.world_size))
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        for chunk in micro_batches(
+            mine, self.cfg.micro_batch or self.cfg.global_batch // self.env.world_size
+        ):
+            x, y = collate(self.eval_dataset, chunk, self.env.device)
+            totals[0] += self.loss_fn(module(x), y).double() * len(chunk)
+            totals[1] += len(chunk)
+        dist.all_reduce(totals)
+        module.train()
+        return {"eval_loss": (totals[0] / totals[1]).item(), "eval_samples": int(totals[1].item())}
+
+    def _emit(self, hook: str, *args: object) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
 
 
-def save_state_dict(state: dict, path: Path) -> None:
-    """Write atomically: a crash mid-write leaves the old file, never a truncated one."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
-    tmp.replace(path)
+class _Window:
+    """Loss and sample counts since the last log line (kept on the device: no sync per step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum, self.samples, self.start = torch.zeros((), device=self.device), 0, time.perf_counter()
+
+    def add(self, loss_sum: Tensor, samples: int) -> None:
+        self.loss_sum += loss_sum.detach()
+        self.samples += samples

@@ -6,7 +6,6 @@ traceback where the agent finds it, so the launcher can say which rank failed an
 
 from __future__ import annotations
 
-import logging
 import random
 import sys
 from pathlib import Path
@@ -15,16 +14,16 @@ import numpy as np
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddpkit.dist import destroy, init_distributed
+from ddpkit.dist import DistEnv, destroy, init_distributed
+from ddpkit.launch.orphans import die_with_parent
 from ddpkit.train.config import TrainConfig
+from ddpkit.train.metrics import plot_loss
 from ddpkit.train.trainer import Trainer
-from ddpkit.train.workloads import get_workload
-
-log = logging.getLogger("ddpkit.train")
+from ddpkit.train.workloads import Job, get_workload
 
 
 def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical model init, and DDP's broadcast then changes nothing."""
+    """Same seed on every rank: identical model init, and the engine's broadcast then changes nothing."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -35,25 +34,44 @@ def train(cfg: TrainConfig) -> None:
     env = init_distributed(cfg.backend)
     try:
         seed_everything(cfg.seed)
-        trainer = Trainer(get_workload(cfg.workload).build(cfg), cfg, env)
+        job = get_workload(cfg.workload).build(cfg)
+        trainer = Trainer(job.model, job.dataset, job.loss_fn, env, cfg, eval_dataset=job.eval_dataset)
         records = trainer.fit()
-        text = trainer.finish()
         if env.is_rank0:
-            first, last = records[0]["loss"], records[-1]["loss"]
-            print(
-                f"ddpkit: {cfg.workload} trained {cfg.steps} steps on {env.world_size} processes "
-                f"({env.backend}); loss {first:.3f} -> {last:.3f}; wrote {Path(cfg.out) / 'model.pt'}",
-                flush=True,
-            )
-            if text is not None:
-                print(f"--- sample ---\n{text}\n--------------", flush=True)
-                (Path(cfg.out) / "sample.txt").write_text(text, encoding="utf-8")
+            finish(cfg, job, trainer.model.module, records, env)
     finally:
         destroy()
 
 
+def finish(cfg: TrainConfig, job: Job, model: torch.nn.Module, records: list[dict], env: DistEnv) -> None:
+    """Rank 0: write model.pt and loss.png, print the summary and the workload's sample."""
+    out = Path(cfg.out)
+    save_state_dict(model.state_dict(), out / "model.pt")
+    logged = [r for r in records if "loss" in r]
+    if logged:
+        plot_loss(logged, out / "loss.png", title=f"{cfg.workload}: training loss")
+        print(
+            f"ddpkit: {cfg.workload} trained to step {logged[-1]['step']} on {env.world_size} processes "
+            f"({env.backend}); loss {logged[0]['loss']:.3f} -> {logged[-1]['loss']:.3f}; "
+            f"wrote {out / 'model.pt'}",
+            flush=True,
+        )
+    text = job.finish(model) if job.finish else None
+    if text is not None:
+        print(f"--- sample ---\n{text}\n--------------", flush=True)
+        (out / "sample.txt").write_text(text, encoding="utf-8")
+
+
+def save_state_dict(state: dict, path: Path) -> None:
+    """Write atomically: a crash mid-write leaves the old file, never a truncated one."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+    tmp.replace(path)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     cfg = TrainConfig.from_json(Path(argv[0]).read_text(encoding="utf-8"))
     train(cfg)

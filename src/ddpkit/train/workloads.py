@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from ddpkit.errors import ConfigError
 from ddpkit.train.config import TrainConfig
@@ -29,12 +29,14 @@ class Job:
         dataset: map-style dataset of (input, target) pairs.
         loss_fn: ``loss_fn(output, target)`` -> mean loss over the batch.
         finish: called on rank 0 with the trained model; returns text to show (a GPT sample) or None.
+        eval_dataset: held-out pairs for evaluation, or None.
     """
 
     model: nn.Module
     dataset: Dataset
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     finish: Callable[[nn.Module], str | None] | None = None
+    eval_dataset: Dataset | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,15 @@ class Workload:
     build: Callable[[TrainConfig], Job]
 
 
+HELD_OUT = 0.1  # the last tenth of every dataset is the evaluation split
+
+
+def split_off(dataset: Dataset) -> tuple[Subset, Subset]:
+    """First 90% for training, last 10% held out: a fixed split, the same on every rank and run."""
+    cut = int(len(dataset) * (1 - HELD_OUT))
+    return Subset(dataset, range(cut)), Subset(dataset, range(cut, len(dataset)))
+
+
 def _gpt_job(cfg: TrainConfig) -> Job:
     from ddpkit.data.text import CharDataset, CharTokenizer, load_text
     from ddpkit.models.gpt import GPT, GPTConfig
@@ -67,7 +78,10 @@ def _gpt_job(cfg: TrainConfig) -> Job:
     text = load_text(cfg.data)
     tokenizer = CharTokenizer(text)
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size))
-    dataset = CharDataset(tokenizer.encode(text), model.config.block_size)
+    data = tokenizer.encode(text)
+    cut = int(len(data) * (1 - HELD_OUT))
+    block = model.config.block_size
+    dataset, held_out = CharDataset(data[:cut], block), CharDataset(data[cut:], block)
 
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, V) vs (B*T,)
@@ -79,7 +93,7 @@ def _gpt_job(cfg: TrainConfig) -> Job:
         out = trained.generate(prompt.to(device), 300, temperature=0.8, top_k=20, generator=generator)
         return tokenizer.decode(out[0].tolist())
 
-    return Job(model, dataset, loss_fn, finish)
+    return Job(model, dataset, loss_fn, finish, held_out)
 
 
 def _convnet_job(cfg: TrainConfig) -> Job:
@@ -88,14 +102,16 @@ def _convnet_job(cfg: TrainConfig) -> Job:
 
     dataset = load_mnist(cfg.data) if cfg.data else load_digits()
     image_size = dataset[0][0].shape[-1]
-    return Job(ConvNet(num_classes=10, image_size=image_size), dataset, F.cross_entropy)
+    train, held_out = split_off(dataset)
+    return Job(ConvNet(num_classes=10, image_size=image_size), train, F.cross_entropy, eval_dataset=held_out)
 
 
 def _toy_job(cfg: TrainConfig) -> Job:
     from ddpkit.data.synthetic import ToyDataset
     from ddpkit.models.toy import ToyModel
 
-    return Job(ToyModel(), ToyDataset(num_samples=4096, seed=cfg.seed), F.mse_loss)
+    train, held_out = split_off(ToyDataset(num_samples=4096, seed=cfg.seed))
+    return Job(ToyModel(), train, F.mse_loss, eval_dataset=held_out)
 
 
 WORKLOADS: dict[str, Workload] = {

@@ -1,0 +1,72 @@
+"""Filesystem steps that make a checkpoint durable: hashing, fsync and atomic renames.
+
+A rename is atomic only once the directory entry itself reaches the disk, so every rename is
+followed by an fsync of the parent directory; file contents are fsynced before they are renamed,
+or a power cut could leave a complete-looking name over empty blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+_AT_FDCWD = -100  # Linux: resolve relative paths against the working directory
+_RENAME_EXCHANGE = 2  # from <linux/fs.h>
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks so a large checkpoint never sits in memory twice."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new, renamed or removed names) to disk.
+
+    Windows cannot open a directory for fsync; there rename durability rests on NTFS journaling.
+    """
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    func = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if func is not None:
+        func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        func.restype = ctypes.c_int
+    return func
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the C library, kernel or filesystem lacks it, so the caller can fall back
+    to two renames; any other failure raises ``OSError``.
+
+    Args:
+        a: the first path.
+        b: the second path; afterwards ``a`` names what ``b`` named, and the other way round.
+    """
+    func = _renameat2()
+    if func is None:
+        return False
+    if func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))

@@ -1,0 +1,144 @@
+"""The manifest that makes a checkpoint checkable: what files it holds, their sizes and sha256.
+
+``manifest.json`` is written last, so a checkpoint directory without one never finished; a size
+or hash that disagrees with it means the bytes changed after the save (truncated copy, bad disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ddpkit.checkpoint.files import sha256_file
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+STATE = "state.pt"
+STEP_DIR = re.compile(r"step-(\d{8,})")
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint for ``step``: ``step-00000100``."""
+    return f"step-{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory is named after, or None for any other name."""
+    match = STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def write_manifest(directory: Path, step: int, names: list[str]) -> dict:
+    """Hash the files ``names`` in ``directory`` and write (and fsync) the manifest describing them."""
+    import ddpkit  # here, not at the top: ddpkit/__init__ may import this package
+
+    files = {
+        name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
+        for name in names
+    }
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "ddpkit_version": ddpkit.__version__,
+        "files": files,
+    }
+    with open(directory / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    """The parsed manifest of a checkpoint directory.
+
+    Raises:
+        FileNotFoundError: there is no manifest.
+        ValueError: it is not a format-1 manifest (bad JSON, wrong fields, unsafe file names).
+    """
+    file = directory / MANIFEST
+    if not file.is_file():
+        raise FileNotFoundError(file)
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:  # unreadable (permissions, I/O error) is a bad manifest, not a missing one
+        raise ValueError(exc.strerror or str(exc)) from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"expected a dict with format {FORMAT}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(_entry_ok(name, e) for name, e in files.items()):
+        raise ValueError('"files" must map plain file names to {"sha256": str, "bytes": int}')
+    return manifest
+
+
+def _entry_ok(name: object, entry: object) -> bool:
+    # Plain names only: a manifest must not make verification read outside its checkpoint.
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+    return (
+        plain
+        and isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), str)
+        and isinstance(entry.get("bytes"), int)
+    )
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """Check a checkpoint directory against its manifest.
+
+    Args:
+        path: a checkpoint directory such as ``OUT/checkpoints/step-00000100``.
+
+    Returns:
+        The problems found, each a short phrase ("sha256 mismatch in state.pt"); empty when good.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path} is not a directory" if path.exists() else f"{path} does not exist"]
+    try:
+        manifest = read_manifest(path)
+    except FileNotFoundError:
+        return [f"missing {MANIFEST}"]
+    except ValueError as exc:
+        return [f"unreadable {MANIFEST} ({exc})"]
+    found = verify_files(path, manifest)
+    return [p for p in found.values() if p] + manifest_problems(path, manifest)
+
+
+def manifest_problems(path: Path, manifest: dict) -> list[str]:
+    """What is wrong with a readable manifest itself: no state file listed, or another step's."""
+    problems = [] if STATE in manifest["files"] else [f"{MANIFEST} does not list {STATE}"]
+    step = step_of(path)
+    if step is not None and manifest.get("step") != step:
+        problems.append(f"{MANIFEST} says step {manifest.get('step')} but the directory is {path.name}")
+    return problems
+
+
+def verify_files(path: Path, manifest: dict) -> dict[str, str | None]:
+    """Each file the manifest lists, with its problem, or None when its size and sha256 match.
+
+    Args:
+        path: the checkpoint directory.
+        manifest: its manifest, from ``read_manifest``.
+    """
+    return {name: _check_file(path / name, entry) for name, entry in manifest["files"].items()}
+
+
+def _check_file(path: Path, entry: dict) -> str | None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"missing {path.name}"
+    if size != entry["bytes"]:
+        # A size mismatch (a truncated copy, typically) settles it without reading the file.
+        return f"size mismatch in {path.name} ({size} bytes, manifest says {entry['bytes']})"
+    try:
+        digest = sha256_file(path)
+    except OSError as exc:
+        return f"cannot read {path.name} ({exc.strerror or exc})"
+    if digest != entry["sha256"]:
+        return f"sha256 mismatch in {path.name}"
+    return None

@@ -1,0 +1,294 @@
+"""Atomic checkpoint saves, verified loads, retention of the last K, and the ``--resume`` choice.
+
+A run's checkpoint directory::
+
+    checkpoints/
+      step-00000100/              state.pt, manifest.json
+      step-00000200/              state.pt, manifest.json
+      .step-00000300.1f2e3d4c.tmp/  a save in progress, or one a crash interrupted
+
+A save writes into a hidden sibling, fsyncs it, and renames it into place, so a ``step-N`` name
+only ever appears complete; older checkpoints are pruned only after that. A crash at any point
+therefore leaves the previous good checkpoint in place, and the next save removes the leftovers.
+Only one process (global rank 0) may save into a directory; any number may load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+
+from ddpkit.checkpoint.files import exchange, fsync_dir
+from ddpkit.checkpoint.manifest import STATE, checkpoint_name, step_of, verify_checkpoint, write_manifest
+from ddpkit.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# What a save leaves behind when killed: its temporary dir, or (where RENAME_EXCHANGE is missing)
+# the checkpoint it was replacing, or one that retention was deleting.
+_LEFTOVER = re.compile(r"\.(step-\d{8,})\.[0-9a-f]+(\.replaced)?\.tmp")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names it, what is wrong, and what to do."""
+
+
+def save_checkpoint(directory: str | Path, step: int, state: dict, keep_last: int = 2) -> Path:
+    """Write ``state`` as ``directory/step-{step:08d}/`` atomically, then keep only the newest checkpoints.
+
+    Args:
+        directory: the run's checkpoint directory; created if missing.
+        step: the optimizer step the state belongs to; names the checkpoint.
+        state: what ``torch.load(weights_only=True)`` can read back: tensors, numbers, strings,
+            None, and lists, tuples and dicts of those (state_dicts of modules and optimizers are).
+        keep_last: how many checkpoints to keep, newest by step; the one just saved is always kept.
+
+    Returns:
+        The checkpoint directory written.
+
+    Raises:
+        ConfigError: bad ``step`` or ``keep_last``, or ``state`` holds objects a resume could not load.
+    """
+    _check_save_args(step, state, keep_last)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(directory)
+    final = directory / checkpoint_name(step)
+    tmp = _temp_path(final)
+    try:
+        tmp.mkdir()
+        _write(tmp, step, state)
+        old = _commit(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(directory)  # the rename is durable only once the parent's entry is on disk
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _prune(directory, keep_last, final)
+    return final
+
+
+def _check_save_args(step: int, state: dict, keep_last: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"checkpoint step must be an int >= 0, got {step!r}")
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ConfigError(f"keep_last must be an int >= 1, got {keep_last!r}; pass --keep-last 1 or more")
+    if not isinstance(state, dict):
+        raise ConfigError(f"checkpoint state must be a dict, got {type(state).__name__}")
+
+
+def _temp_path(final: Path, kind: str = "") -> Path:
+    return final.with_name(f".{final.name}.{secrets.token_hex(4)}{kind}.tmp")
+
+
+def _write(tmp: Path, step: int, state: dict) -> None:
+    with open(tmp / STATE, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _check_loadable(tmp / STATE, step)
+    write_manifest(tmp, step, [STATE])
+    fsync_dir(tmp)
+
+
+def _check_loadable(path: Path, step: int) -> None:
+    """Fail the save, not the resume hours later, when the state holds what weights_only refuses."""
+    try:
+        # mmap: the tensors' bytes are not read, only the pickle that describes them.
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(
+            f"checkpoint state for step {step} cannot be loaded with torch.load(weights_only=True): "
+            f"{_weights_only_reason(exc)}; keep the state to tensors, numbers, strings and "
+            "lists/tuples/dicts of them (torch.from_numpy for numpy arrays, .state_dict() for objects)"
+        ) from exc
+
+
+def _weights_only_reason(exc: Exception) -> str:
+    text = str(exc)
+    marker = "WeightsUnpickler error: "
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    return text.split(". Please", 1)[0].split("\n", 1)[0]
+
+
+def _commit(tmp: Path, final: Path) -> Path | None:
+    """Rename ``tmp`` to ``final``; returns where a replaced old checkpoint now is, to delete."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return None
+    if exchange(tmp, final):
+        return tmp  # one atomic swap: ``final`` was never missing, even for a moment
+    # Two renames: between them ``final`` is missing, and the next save restores it (_clean_leftovers).
+    old = _temp_path(final, ".replaced")
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    return old
+
+
+def _clean_leftovers(directory: Path) -> None:
+    for entry in directory.iterdir():
+        match = _LEFTOVER.fullmatch(entry.name)
+        if match is None:
+            continue
+        target = directory / match.group(1)
+        if match.group(2) and not target.exists() and not verify_checkpoint(entry):
+            os.replace(entry, target)
+            fsync_dir(directory)
+            log.warning("restored %s, which an interrupted save was replacing", target)
+            continue
+        log.info("removing %s, left by an interrupted save", entry)
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _prune(directory: Path, keep_last: int, saved: Path) -> None:
+    checkpoints = list_checkpoints(directory)
+    newer = [p for p in checkpoints if step_of(p) > step_of(saved)]
+    if newer:
+        log.warning(
+            "%s holds checkpoints newer than %s, the one just saved (from an earlier run?); "
+            "--resume auto would pick %s",
+            directory,
+            saved.name,
+            newer[-1].name,
+        )
+    for path in checkpoints[:-keep_last]:
+        if path != saved:
+            # Hide it first: a crash during rmtree then leaves a leftover, not a half checkpoint.
+            trash = _temp_path(path)
+            os.replace(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """The checkpoint directories (``step-N``) in ``directory``, oldest step first.
+
+    Temporary and leftover directories are skipped; contents are not checked (see ``verify_checkpoint``).
+
+    Args:
+        directory: a run's checkpoint directory; a missing one has no checkpoints.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if step_of(p) is not None and p.is_dir()]
+    return sorted(found, key=step_of)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+    """Verify a checkpoint against its manifest, then load its state.
+
+    Args:
+        path: a checkpoint directory such as ``OUT/checkpoints/step-00000100``.
+        map_location: where tensors land; pass this rank's device so no rank allocates on GPU 0.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, incomplete, corrupt, or not weights_only-loadable.
+    """
+    path = Path(path)
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt ({'; '.join(problems)}); resume from another one "
+            "(--resume PATH), or start over (--resume never)"
+        )
+    try:
+        return torch.load(path / STATE, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"checkpoint {path} holds objects torch.load(weights_only=True) refuses "
+            f"({_weights_only_reason(exc)}); it was not written by save_checkpoint, so rewrite it with that"
+        ) from exc
+
+
+def newest_good(directory: str | Path) -> Path | None:
+    """The newest checkpoint in ``directory`` that verifies, warning about each newer bad one.
+
+    Args:
+        directory: a run's checkpoint directory.
+
+    Returns:
+        The checkpoint directory, or None when ``directory`` holds no checkpoints.
+
+    Raises:
+        CheckpointError: there are checkpoints, but none verifies.
+    """
+    bad: list[tuple[Path, list[str]]] = []
+    for path in reversed(list_checkpoints(directory)):
+        problems = verify_checkpoint(path)
+        if not problems:
+            for bad_path, bad_problems in bad:
+                log.warning(
+                    "checkpoint %s is corrupt (%s); falling back to %s",
+                    bad_path,
+                    "; ".join(bad_problems),
+                    path,
+                )
+            return path
+        bad.append((path, problems))
+    if not bad:
+        return None
+    found = ", ".join(f"{p.name} ({'; '.join(problems)})" for p, problems in bad)
+    raise CheckpointError(
+        f"no good checkpoint in {directory}: {found}; restore a copy of one, or start over (--resume never)"
+    )
+
+
+def load_latest(directory: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict] | None:
+    """Load the newest good checkpoint in ``directory``; corrupt newer ones are skipped with a warning.
+
+    Args:
+        directory: a run's checkpoint directory.
+        map_location: where tensors land (this rank's device).
+
+    Returns:
+        ``(checkpoint directory, state)``, or None when ``directory`` holds no checkpoints.
+
+    Raises:
+        CheckpointError: there are checkpoints, but none is good.
+    """
+    path = newest_good(directory)
+    return None if path is None else (path, load_checkpoint(path, map_location))
+
+
+def resolve_resume(directory: str | Path, resume: str) -> Path | None:
+    """The checkpoint the ``--resume`` flag names: ``auto``, ``never`` or a checkpoint directory.
+
+    Args:
+        directory: the run's checkpoint directory, searched by ``auto``.
+        resume: ``auto`` (newest good checkpoint, None when there is none), ``never`` (None),
+            or the path of a checkpoint directory, which must exist and verify.
+
+    Raises:
+        ConfigError: ``resume`` is a path that does not exist or is not a good checkpoint.
+        CheckpointError: ``auto`` found checkpoints, but none is good.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return newest_good(directory)
+    path = Path(resume)
+    if not path.exists():
+        raise ConfigError(f"--resume {resume!r} does not exist; pass a checkpoint directory, auto or never")
+    problems = verify_checkpoint(path)
+    if problems:
+        inside = list_checkpoints(path)
+        hint = (
+            f"it holds checkpoints, such as {inside[-1]}, so pass one of them"
+            if inside
+            else "pass another checkpoint directory, auto or never"
+        )
+        raise ConfigError(f"--resume {resume!r} is not a good checkpoint ({'; '.join(problems)}); {hint}")
+    return path

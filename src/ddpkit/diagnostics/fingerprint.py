@@ -1,0 +1,50 @@
+"""Cheap fingerprints of a model's parameters and buffers, compared across ranks.
+
+Replicas that should be identical (after DDP's broadcast, after a checkpoint load) but are not
+train silently into different models. One float64 sum per tensor is enough to catch that, costs
+one small all_gather, and names the first tensor that differs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.dist import DistEnv
+
+
+def fingerprint(module: nn.Module) -> tuple[list[str], torch.Tensor]:
+    """Names and a (2 * tensors,) float64 vector: the sum and a position-weighted sum of each tensor.
+
+    Sum alone misses a permutation; adding a position-weighted sum catches swapped elements too.
+    """
+    names, values = [], []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        flat = tensor.detach().to(torch.float64).flatten()
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        names.append(name)
+        values += [flat.sum(), (flat * weights).sum()]
+    return names, torch.stack(values).cpu() if values else torch.zeros(0, dtype=torch.float64)
+
+
+def check_replicas_agree(module: nn.Module, env: DistEnv, when: str) -> None:
+    """All ranks call this together; raises on every rank if any replica differs from rank 0's.
+
+    Args:
+        module: the local replica.
+        env: this process's distributed environment.
+        when: what just happened, for the message (e.g. "after loading checkpoint step-00000040").
+    """
+    names, local = fingerprint(module)
+    gathered = [torch.empty_like(local) for _ in range(env.world_size)]
+    dist.all_gather(gathered, local.to(env.device) if env.backend == "nccl" else local)
+    reference = gathered[0].cpu()
+    bad = [rank for rank, fp in enumerate(gathered) if not torch.equal(fp.cpu(), reference)]
+    if not bad:
+        return
+    first = int((gathered[bad[0]].cpu() != reference).nonzero()[0]) // 2
+    raise RuntimeError(
+        f"replicas differ {when}: ranks {bad} disagree with rank 0, first at {names[first]!r}; "
+        "every rank must load the same checkpoint and run the same code"
+    )

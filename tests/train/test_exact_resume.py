@@ -1,0 +1,103 @@
+"""Exactness of resumed and resized runs (the trainer issue's 5a, 5b, 5c), through `ddpkit train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+TOY = ["toy", "--global-batch", "12", "--log-every", "1", "--seed", "3"]
+
+
+def _cmd(out, nproc: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ddpkit", "train", *TOY, "--nproc", str(nproc), "--out", str(out), *extra]
+
+
+def _run(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(_cmd(out, nproc, *extra), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"exit {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-3000:]}"
+    return done
+
+
+def _last_step(out) -> int:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _run_and_kill(out, nproc: int, after_step: int, *extra: str) -> int:
+    """Start a run, SIGKILL the launcher and every worker once a step past ``after_step`` is logged."""
+    proc = subprocess.Popen(_cmd(out, nproc, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while _last_step(out) <= after_step and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return _last_step(out)
+
+
+def _model(out) -> dict:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def _losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# micro-batch 1 makes each step slow enough (12 forward/backward passes) to be killed mid-run.
+SLOW = ["--micro-batch", "1", "--steps", "40", "--save-every", "5"]
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    _run(tmp_path / "whole", 2, *SLOW)
+    killed_at = _run_and_kill(tmp_path / "cut", 2, 12, *SLOW)
+    assert 12 < killed_at < 40, f"the run was not cut mid-way (last logged step {killed_at})"
+    assert not (tmp_path / "cut" / "model.pt").exists()
+    done = _run(tmp_path / "cut", 2, *SLOW, "--resume", "auto")
+    assert "resumed from" in done.stdout
+    whole, cut = _model(tmp_path / "whole"), _model(tmp_path / "cut")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole), "resumed model differs from the uninterrupted one"
+    assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
+
+
+def _consumed(out, nproc: int) -> list[int]:
+    taken = []
+    for rank in range(nproc):
+        for line in (out / "samples" / f"rank{rank}.jsonl").read_text().splitlines():
+            taken += json.loads(line)["indices"]
+    return taken
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_resume_at_another_world_size(tmp_path, before, after):
+    # One epoch of the toy's 3686 training samples: 308 steps of 12, the last one partial (2 samples).
+    epoch = ["--micro-batch", "1", "--epochs", "1", "--save-every", "20", "--log-samples"]
+    _run(tmp_path / "whole", before, *epoch)
+    killed_at = _run_and_kill(tmp_path / "cut", before, 30, *epoch)
+    assert killed_at < 308
+    _run(tmp_path / "cut", after, *epoch, "--resume", "auto")
+    whole, cut = _model(tmp_path / "whole"), _model(tmp_path / "cut")
+    for name in whole:
+        assert torch.allclose(cut[name], whole[name], rtol=1e-5, atol=1e-7), name
+    taken = _consumed(tmp_path / "cut", max(before, after))
+    assert sorted(taken) == list(range(3686)), "an epoch must use every sample exactly once"
+
+
+def test_losses_do_not_depend_on_world_size(tmp_path):
+    losses = {}
+    for nproc in (1, 2, 3):
+        _run(tmp_path / f"w{nproc}", nproc, "--steps", "20")
+        losses[nproc] = _losses(tmp_path / f"w{nproc}")
+    for nproc in (2, 3):
+        assert len(losses[nproc]) == 20
+        for step, (a, b) in enumerate(zip(losses[1], losses[nproc], strict=True), 1):
+            assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: world 1 loss {a} vs world {nproc} loss {b}"
