@@ -100,8 +100,12 @@ class GlobalBatchSampler:
         return full + (1 if rest and not self.drop_last else 0)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.state.epoch, "consumed": self.state.consumed, "seed": self.seed,
-                "num_samples": self.num_samples}
+        return {
+            "epoch": self.state.epoch,
+            "consumed": self.state.consumed,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state; refuses one saved for another dataset or seed."""
