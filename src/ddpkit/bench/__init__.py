@@ -1,0 +1,1 @@
+"""Benchmarks behind ``ddpkit bench KIND``: each ``ddpkit.bench.KIND`` module has ``main(argv) -> int``."""
