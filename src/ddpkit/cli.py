@@ -146,7 +146,7 @@ def cmd_run(argv: list[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "comm", "scaling")
+BENCHMARKS = ("engine", "comm", "scaling", "trainer")
 
 
 def cmd_bench(argv: list[str]) -> int:
