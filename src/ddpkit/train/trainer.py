@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+from ddpkit.parallel import DataParallel
 from ddpkit.train import checkpointing
 from ddpkit.train.batches import collate, micro_batches
 from ddpkit.train.callbacks import Callback, MetricsFile, ProgressBar, SampleLog
@@ -45,6 +46,8 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1) -> to
 
 def wrap_model(model: nn.Module, env: DistEnv, engine: str) -> nn.Module:
     """Wrap the local replica in the gradient-synchronization engine (rank 0's weights are broadcast)."""
+    if engine == "native":
+        return DataParallel(model)
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
@@ -140,34 +143,44 @@ class Trainer:
         chunks, weight = (micro_batches(mine, self.cfg.micro_batch), 1.0) if mine else ([batch[:1]], 0.0)
         scale = weight * self.env.world_size / len(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.env.device)
+        sums = []
         for i, chunk in enumerate(chunks):
             # no_sync on all but the last micro-batch: gradients accumulate locally, reduced once.
             sync = contextlib.nullcontext() if i == len(chunks) - 1 else self.model.no_sync()
             with sync:
-                loss_sum += self._run_micro(chunk, scale)
+                sums.append(self._run_micro(chunk, scale))
         self._optimizer_step()
-        return mine, loss_sum * weight
+        loss_sum = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        return mine, loss_sum if mine else loss_sum * 0
 
     def _run_micro(self, chunk: list[int], scale: float) -> Tensor:
         start = time.perf_counter()
         x, y = collate(self.dataset, chunk, self.env.device)
         fetched = time.perf_counter()
-        dtype = torch.float16 if self.cfg.precision == "fp16" else torch.bfloat16
-        with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.cfg.precision != "fp32"):
-            summed = self.loss_fn(self.model(x), y).float() * len(chunk)
-        self.scaler.scale(summed * scale).backward()
+        with self._autocast():
+            loss = self.loss_fn(self.model(x), y).float()  # mean over the chunk
+        # chunk mean * len(chunk) = the chunk's sum; * scale = its share of the global mean.
+        self.scaler.scale(loss * (len(chunk) * scale)).backward()
         self.timers["data_s"] += fetched - start
         self.timers["compute_s"] += time.perf_counter() - fetched
-        return summed.detach()
+        return loss.detach() * len(chunk)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.precision == "fp32":
+            return contextlib.nullcontext()  # cheaper than a disabled autocast, once per micro-batch
+        dtype = torch.float16 if self.cfg.precision == "fp16" else torch.bfloat16
+        return torch.autocast(self.env.device.type, dtype=dtype)
 
     def _optimizer_step(self) -> None:
         start = time.perf_counter()
         if self.cfg.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the fp16-scaled one
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.timers["compute_s"] += time.perf_counter() - start
 
     def _log(self, window: _Window, extra: dict) -> dict:
