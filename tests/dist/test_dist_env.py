@@ -10,7 +10,7 @@ from ddpkit.dist.env import first_slurm_host, slurm_tasks_on_node
 from ddpkit.errors import ConfigError
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc"}
+            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"}
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
          "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "4242"}
 
@@ -18,7 +18,7 @@ SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0", "SLURM_
 def test_torchrun_variables_give_ranks_and_env_init():
     found = read_launcher_vars(TORCHRUN)
     assert (found.rank, found.local_rank, found.world_size, found.local_world_size, found.node_rank) == (5, 1, 8, 4, 1)
-    assert found.launcher == "elastic" and found.init_method == "env://"
+    assert found.launcher == "elastic" and found.init_method == "env://" and found.restart_count == 2
 
 
 def test_slurm_variables_give_ranks_and_tcp_init_on_first_node():

@@ -36,6 +36,7 @@ class DistEnv:
         device: the device this process computes on.
         backend: the process-group backend: ``gloo``, ``nccl`` or ``mpi``.
         launcher: who started the process: ``elastic``, ``ddpkit``, ``slurm`` or ``none``.
+        restart_count: how many times the elastic agent has restarted the workers (0 on the first run).
     """
 
     rank: int = 0
@@ -46,6 +47,7 @@ class DistEnv:
     device: torch.device = torch.device("cpu")
     backend: str = "gloo"
     launcher: str = "none"
+    restart_count: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -78,6 +80,7 @@ class LauncherVars:
         node_rank: index of this node.
         launcher: ``elastic``, ``ddpkit``, ``slurm`` or ``none``.
         init_method: the rendezvous URL these variables imply, or None for a world of one.
+        restart_count: the elastic agent's TORCHELASTIC_RESTART_COUNT.
     """
 
     rank: int = 0
@@ -87,6 +90,7 @@ class LauncherVars:
     node_rank: int = 0
     launcher: str = "none"
     init_method: str | None = None
+    restart_count: int = 0
 
 
 def read_launcher_vars(environ: Mapping[str, str] | None = None) -> LauncherVars:
@@ -128,6 +132,7 @@ def _from_torch_vars(environ: Mapping[str, str]) -> LauncherVars:
         node_rank=_int(environ, "GROUP_RANK", 0),
         launcher=launcher,
         init_method="env://",
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
     )
 
 

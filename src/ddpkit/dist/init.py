@@ -95,6 +95,7 @@ def init_distributed(
         device=device,
         backend=chosen,
         launcher=found.launcher,
+        restart_count=found.restart_count,
     )
     log.debug("joined process group: %s", env)
     return env
@@ -117,9 +118,29 @@ def _init_group(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     _check_init_method(init_method)
+    store = _restart_safe_agent_store(init_method, timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
+
+
+def _restart_safe_agent_store(init_method: str, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent, a store whose keys are private to this restart attempt.
+
+    The agent keeps one TCPStore for the whole job and every restart of the workers connects to
+    it again. Without a prefix per attempt, a restarted rank can read a dead peer's gloo address
+    left by the previous attempt and fail with "Connection refused" (pytorch issue 167288).
+    """
+    if init_method != "env://" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ddpkit/attempt{attempt}", client)
 
 
 def _check_init_method(init_method: str) -> None:

@@ -32,6 +32,9 @@ def seed_everything(seed: int) -> None:
 def train(cfg: TrainConfig) -> None:
     """Join the process group, train, and on rank 0 write the model and report."""
     env = init_distributed(cfg.backend)
+    if env.restart_count > 0:
+        # The elastic agent restarted us after a failure: continue from the newest good checkpoint.
+        cfg = cfg.replace(resume="auto")
     try:
         seed_everything(cfg.seed)
         job = get_workload(cfg.workload).build(cfg)

@@ -1,0 +1,78 @@
+"""Workers killed from outside: restarted from the newest checkpoint (--max-restarts), or a prompt, named failure."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from helpers import descendants
+
+RUN = ["toy", "--global-batch", "12", "--log-every", "1", "--seed", "5", "--micro-batch", "1",
+       "--steps", "60", "--save-every", "5", "--nproc", "2"]
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ddpkit", "train", *RUN, "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _last_step(out: Path) -> int:
+    try:
+        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _workers(launcher: int) -> list[int]:
+    found = []
+    for pid in descendants(launcher):
+        try:
+            if b"ddpkit.train.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def _kill_a_worker_after(proc: subprocess.Popen, out: Path, step: int) -> int:
+    deadline = time.monotonic() + 120
+    while _last_step(out) < step and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    victims = _workers(proc.pid)
+    assert victims, "no worker to kill"
+    victim = random.Random(step).choice(victims)
+    Path(f"/proc/{victim}").exists() and __import__("os").kill(victim, signal.SIGKILL)
+    return _last_step(out)
+
+
+def test_killed_workers_restart_and_finish_bit_identical(tmp_path):
+    whole = subprocess.run([sys.executable, "-m", "ddpkit", "train", *RUN, "--out", str(tmp_path / "whole")],
+                           capture_output=True, text=True, timeout=240)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    proc = _start(tmp_path / "cut", "--max-restarts", "3")
+    first = _kill_a_worker_after(proc, tmp_path / "cut", 12)
+    second = _kill_a_worker_after(proc, tmp_path / "cut", first + 14)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert first < second < 60, (first, second)
+    assert out.count("resumed from") >= 2  # one per kill (a restart that itself fails adds one)
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_without_restarts_a_killed_worker_ends_the_run_promptly(tmp_path):
+    proc = _start(tmp_path / "run")
+    _kill_a_worker_after(proc, tmp_path / "run", 5)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1
+    assert "failed (exit code -9): killed by signal SIGKILL" in err
+    assert not _workers(proc.pid)
