@@ -23,6 +23,7 @@ from ddpkit.launch.elastic import (
     check_launch_args,
     check_script,
     nnodes_range,
+    resolve_nproc,
     run_elastic,
     run_parser,
     torchrun_argv,
@@ -77,6 +78,13 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drop-last", action="store_true", help="skip each epoch's final partial global batch"
     )
+    parser.add_argument(
+        "--check-every", type=int, default=100, help="compare replica fingerprints every N steps"
+    )
+    parser.add_argument("--on-nonfinite", default="stop", help="stop or skip on a non-finite gradient")
+    parser.add_argument(
+        "--rank-table-every", type=int, default=0, help="log every rank's timings every N steps"
+    )
     add_launch_flags(parser)
     return parser
 
@@ -120,12 +128,12 @@ def cmd_train(argv: list[str]) -> int:
     torch_ns = torchrun.get_args_parser().parse_args(
         torchrun_argv(ns) + ["-m", "ddpkit.train.worker", "CONFIG"]
     )
-    check_launch_args(torch_ns)
-    nproc = int(torch_ns.nproc_per_node)
+    nproc = resolve_nproc(str(ns.nproc))
     resolve_backend(cfg.backend, nproc)
     low, high = nnodes_range(ns.nnodes)
     for nodes in range(low, high + 1):
         check_split(cfg.global_batch, nodes * nproc)
+    check_launch_args(torch_ns)
     out = Path(cfg.out)
     if ns.node_rank == 0:
         prepare_out(cfg, ns.overwrite)

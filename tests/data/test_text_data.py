@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ddpkit.data.text import CharDataset, CharTokenizer, load_text
+from ddpkit.errors import ConfigError
 
 
 def test_default_corpus_is_pydoc_topics_in_sorted_key_order():
@@ -23,7 +24,8 @@ def test_load_text_reads_utf8_file(tmp_path):
 
 def test_load_text_missing_file_names_path_and_flag(tmp_path):
     missing = str(tmp_path / "nope.txt")
-    with pytest.raises(ValueError, match="nope.txt") as info:
+    # ConfigError (a ValueError) is what the CLI prints as one line with exit code 2.
+    with pytest.raises(ConfigError, match="nope.txt") as info:
         load_text(missing)
     assert "--data" in str(info.value)
 
@@ -83,3 +85,8 @@ def test_char_dataset_rejects_out_of_range_index():
 def test_char_dataset_rejects_data_not_longer_than_block():
     with pytest.raises(ValueError, match="block_size 5"):
         CharDataset(torch.arange(5), block_size=5)
+
+
+def test_load_text_rejects_directory(tmp_path):
+    with pytest.raises(ValueError, match="is not a file"):
+        load_text(str(tmp_path))

@@ -21,7 +21,9 @@ def _cmd(out, nproc: int, *extra: str) -> list[str]:
 
 def _run(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     done = subprocess.run(_cmd(out, nproc, *extra), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, f"exit {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"exit {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-3000:]}"
+    )
     return done
 
 
@@ -35,8 +37,9 @@ def _last_step(out) -> int:
 
 def _run_and_kill(out, nproc: int, after_step: int, *extra: str) -> int:
     """Start a run, SIGKILL the launcher and every worker once a step past ``after_step`` is logged."""
-    proc = subprocess.Popen(_cmd(out, nproc, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        _cmd(out, nproc, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 120
     while _last_step(out) <= after_step and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -65,7 +68,9 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     done = _run(tmp_path / "cut", 2, *SLOW, "--resume", "auto")
     assert "resumed from" in done.stdout
     whole, cut = _model(tmp_path / "whole"), _model(tmp_path / "cut")
-    assert all(torch.equal(whole[k], cut[k]) for k in whole), "resumed model differs from the uninterrupted one"
+    assert all(torch.equal(whole[k], cut[k]) for k in whole), (
+        "resumed model differs from the uninterrupted one"
+    )
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
 
 

@@ -1,4 +1,4 @@
-"""Workers killed from outside: restarted from the newest checkpoint (--max-restarts), or a prompt, named failure."""
+"""Workers killed from outside: restarted from the newest checkpoint, or a prompt failure naming the rank."""
 
 from __future__ import annotations
 
@@ -13,8 +13,23 @@ from pathlib import Path
 import torch
 from helpers import descendants
 
-RUN = ["toy", "--global-batch", "12", "--log-every", "1", "--seed", "5", "--micro-batch", "1",
-       "--steps", "60", "--save-every", "5", "--nproc", "2"]
+RUN = [
+    "toy",
+    "--global-batch",
+    "12",
+    "--log-every",
+    "1",
+    "--seed",
+    "5",
+    "--micro-batch",
+    "1",
+    "--steps",
+    "60",
+    "--save-every",
+    "5",
+    "--nproc",
+    "2",
+]
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
@@ -52,8 +67,12 @@ def _kill_a_worker_after(proc: subprocess.Popen, out: Path, step: int) -> int:
 
 
 def test_killed_workers_restart_and_finish_bit_identical(tmp_path):
-    whole = subprocess.run([sys.executable, "-m", "ddpkit", "train", *RUN, "--out", str(tmp_path / "whole")],
-                           capture_output=True, text=True, timeout=240)
+    whole = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", *RUN, "--out", str(tmp_path / "whole")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert whole.returncode == 0, whole.stderr[-2000:]
     proc = _start(tmp_path / "cut", "--max-restarts", "3")
     first = _kill_a_worker_after(proc, tmp_path / "cut", 12)

@@ -49,7 +49,9 @@ def test_convnet_trains_on_bundled_digits(tmp_path):
 
 def test_gpt_trains_and_prints_a_sample(tmp_path):
     out = tmp_path / "gpt"
-    done = _train("gpt", "--nproc", "2", "--steps", "8", "--log-every", "4", "--global-batch", "8", "--out", str(out))
+    done = _train(
+        "gpt", "--nproc", "2", "--steps", "8", "--log-every", "4", "--global-batch", "8", "--out", str(out)
+    )
     assert done.returncode == 0, done.stderr
     assert [r["step"] for r in _records(out)] == [4, 8]
     assert "--- sample ---" in done.stdout
@@ -61,7 +63,10 @@ def test_gpt_trains_and_prints_a_sample(tmp_path):
 def test_existing_out_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["train", "toy", "--out", str(tmp_path)]) == 2
-    assert "already holds a run; pass --resume auto to continue it, --overwrite to replace it" in capsys.readouterr().err
+    assert (
+        "already holds a run; pass --resume auto to continue it, --overwrite to replace it"
+        in capsys.readouterr().err
+    )
     # --overwrite replaces ddpkit runs only, never a directory of the user's own files.
     assert main(["train", "toy", "--out", str(tmp_path), "--overwrite"]) == 2
     assert "not a ddpkit run" in capsys.readouterr().err
@@ -74,8 +79,14 @@ BAD_INPUT = [
     (["--data", "/no/such/file.txt"], "--data '/no/such/file.txt' is not a file"),
     (["convnet", "--data", "/no/such/dir"], "--data '/no/such/dir' is not a directory"),
     (["--backend", "nccl", "--nproc", "2"], "backend nccl needs one GPU per process"),
-    (["toy", "--nproc", "2", "--global-batch", "9"], "--global-batch 9 cannot be split evenly across 2 processes"),
-    (["toy", "--nproc", "2", "--nnodes", "1:2", "--global-batch", "6"], "cannot be split evenly across 4 processes"),
+    (
+        ["toy", "--nproc", "2", "--global-batch", "9"],
+        "--global-batch 9 cannot be split evenly across 2 processes",
+    ),
+    (
+        ["toy", "--nproc", "2", "--nnodes", "1:2", "--global-batch", "6"],
+        "cannot be split evenly across 4 processes",
+    ),
     (["--steps", "0"], "--steps 0 is below 1"),
     (["--engine", "jax"], "unknown --engine 'jax'"),
     (["--stpes", "3"], "unrecognized arguments: --stpes"),

@@ -22,8 +22,16 @@ def _data(n: int, seed: int) -> TensorDataset:
 def _fit(env, out: str, steps: int, cfg: dict | None = None) -> tuple[list[dict], dict, dict]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    config = TrainConfig(out=out, steps=steps, global_batch=12, lr=1e-2, warmup_steps=2, log_every=1,
-                         eval_every=steps, **(cfg or {}))
+    config = TrainConfig(
+        out=out,
+        steps=steps,
+        global_batch=12,
+        lr=1e-2,
+        warmup_steps=2,
+        log_every=1,
+        eval_every=steps,
+        **(cfg or {}),
+    )
     trainer = Trainer(model, _data(60, 1), F.mse_loss, env, config, eval_dataset=_data(41, 2))
     records = trainer.fit()
     state = {k: v.clone() for k, v in trainer.model.module.state_dict().items()}

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from ddpkit.errors import ConfigError
+
 MNIST_MEAN = 0.1307
 MNIST_STD = 0.3081
 IMAGES_FILE = "train-images-idx3-ubyte"
@@ -33,7 +35,7 @@ def read_idx(path: str, magic: int) -> np.ndarray:
         A uint8 array shaped by the dimensions in the file's header.
 
     Raises:
-        ValueError: If the magic number is wrong or the file is shorter than its
+        ConfigError: If the magic number is wrong or the file is shorter than its
             header says.
     """
     opener = gzip.open if path.endswith(".gz") else open
@@ -42,7 +44,7 @@ def read_idx(path: str, magic: int) -> np.ndarray:
     found = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
     if found != magic:
         shown = "none (file shorter than 4 bytes)" if found is None else f"{found:#010x}"
-        raise ValueError(
+        raise ConfigError(
             f"{path!r} is not an IDX file of the expected kind: magic number {shown}, "
             f"expected {magic:#010x}; check that the MNIST files are not swapped or corrupt"
         )
@@ -52,7 +54,7 @@ def read_idx(path: str, magic: int) -> np.ndarray:
     offset = 4 + 4 * ndim
     expected = int(np.prod(dims))
     if len(raw) - offset != expected:
-        raise ValueError(
+        raise ConfigError(
             f"{path!r} header promises {expected} bytes of data for shape {dims}, but the "
             f"file holds {len(raw) - offset}; the file is truncated or corrupt, fetch it again"
         )
@@ -72,7 +74,7 @@ def _find(directory: str, name: str) -> str | None:
 def _find_or_raise(directory: str, name: str) -> str:
     path = _find(directory, name)
     if path is None:
-        raise ValueError(
+        raise ConfigError(
             f"MNIST file {name!r} (or {name}.gz) not found in {directory!r}; put "
             f"{IMAGES_FILE} and {LABELS_FILE} (optionally .gz) there, or use the "
             f"scikit-learn digits, which need no files"
@@ -93,18 +95,18 @@ def load_mnist(directory: str) -> TensorDataset:
         and std, and labels, int64 (N,).
 
     Raises:
-        ValueError: If the folder or a file is missing, or the files are malformed or
+        ConfigError: If the folder or a file is missing, or the files are malformed or
             disagree on the number of examples.
     """
     if not os.path.isdir(directory):
-        raise ValueError(
+        raise ConfigError(
             f"MNIST directory {directory!r} does not exist; pass a folder holding "
             f"{IMAGES_FILE} and {LABELS_FILE} (optionally .gz)"
         )
     images = read_idx(_find_or_raise(directory, IMAGES_FILE), _IMAGES_MAGIC)  # (N, H, W)
     labels = read_idx(_find_or_raise(directory, LABELS_FILE), _LABELS_MAGIC)  # (N,)
     if len(images) != len(labels):
-        raise ValueError(
+        raise ConfigError(
             f"MNIST files in {directory!r} disagree: {len(images)} images but "
             f"{len(labels)} labels; use an images and labels file from the same split"
         )

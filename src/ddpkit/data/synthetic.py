@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from ddpkit.errors import ConfigError
+
 IN_FEATURES = 10
 OUT_FEATURES = 5
 
@@ -22,14 +24,14 @@ class ToyDataset(Dataset):
         noise_std: Standard deviation of the Gaussian noise added to y.
 
     Raises:
-        ValueError: If ``num_samples`` is not positive or ``noise_std`` is negative.
+        ConfigError: If ``num_samples`` is not positive or ``noise_std`` is negative.
     """
 
     def __init__(self, num_samples: int = 1024, seed: int = 0, noise_std: float = 0.01) -> None:
         if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+            raise ConfigError(f"num_samples must be >= 1, got {num_samples}")
         if noise_std < 0:
-            raise ValueError(f"noise_std must be >= 0, got {noise_std}")
+            raise ConfigError(f"noise_std must be >= 0, got {noise_std}")
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(IN_FEATURES, OUT_FEATURES, generator=gen) / IN_FEATURES**0.5
         bias = torch.randn(OUT_FEATURES, generator=gen) * 0.1

@@ -7,6 +7,8 @@ import os
 import torch
 from torch.utils.data import Dataset
 
+from ddpkit.errors import ConfigError
+
 
 def _default_corpus() -> str:
     # CPython ships its own documentation topics as a module, so there is always an
@@ -29,22 +31,23 @@ def load_text(path: str | None, block_size: int = 1) -> str:
         The corpus as one string.
 
     Raises:
-        ValueError: If the file does not exist, is not UTF-8, or is too short.
+        ConfigError: If the file does not exist, is not UTF-8, or is too short.
     """
     if path is None:
         return _default_corpus()
     if not os.path.isfile(path):
-        raise ValueError(f"text file {path!r} does not exist; pass an existing UTF-8 text file to --data")
+        problem = "is not a file" if os.path.exists(path) else "does not exist"
+        raise ConfigError(f"text file {path!r} {problem}; pass an existing UTF-8 text file to --data")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"text file {path!r} is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
             f"pass a UTF-8 text file to --data"
         ) from None
     if len(text) <= block_size:
-        raise ValueError(
+        raise ConfigError(
             f"text file {path!r} has {len(text)} characters, but block_size {block_size} "
             f"needs at least {block_size + 1}; pass a longer text file to --data"
         )
@@ -58,12 +61,12 @@ class CharTokenizer:
         text: The text whose characters form the vocabulary.
 
     Raises:
-        ValueError: If ``text`` is empty.
+        ConfigError: If ``text`` is empty.
     """
 
     def __init__(self, text: str) -> None:
         if not text:
-            raise ValueError("cannot build a CharTokenizer from empty text; pass the corpus")
+            raise ConfigError("cannot build a CharTokenizer from empty text; pass the corpus")
         self.chars = sorted(set(text))
         self._stoi = {ch: i for i, ch in enumerate(self.chars)}
 
@@ -82,12 +85,12 @@ class CharTokenizer:
             LongTensor of shape (len(text),).
 
         Raises:
-            ValueError: If ``text`` holds a character outside the vocabulary.
+            ConfigError: If ``text`` holds a character outside the vocabulary.
         """
         try:
             ids = [self._stoi[ch] for ch in text]
         except KeyError as exc:
-            raise ValueError(
+            raise ConfigError(
                 f"character {exc.args[0]!r} is not in the tokenizer's vocabulary of "
                 f"{self.vocab_size} characters; use only characters from the corpus"
             ) from None
@@ -118,16 +121,16 @@ class CharDataset(Dataset):
         block_size: Length of each example.
 
     Raises:
-        ValueError: If ``data`` is not 1-D or holds no more than ``block_size`` tokens.
+        ConfigError: If ``data`` is not 1-D or holds no more than ``block_size`` tokens.
     """
 
     def __init__(self, data: torch.Tensor, block_size: int) -> None:
         if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
         if data.dim() != 1:
-            raise ValueError(f"data must be a 1-D tensor of token ids, got shape {tuple(data.shape)}")
+            raise ConfigError(f"data must be a 1-D tensor of token ids, got shape {tuple(data.shape)}")
         if len(data) <= block_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the corpus has {len(data)} tokens but block_size {block_size} needs at least "
                 f"{block_size + 1}; use a longer text or a smaller block_size"
             )

@@ -14,13 +14,14 @@ from torch import nn
 from ddpkit.dist import DistEnv
 
 
-def fingerprint(module: nn.Module) -> tuple[list[str], torch.Tensor]:
+def fingerprint(module: nn.Module, buffers: bool = True) -> tuple[list[str], torch.Tensor]:
     """Names and a (2 * tensors,) float64 vector: the sum and a position-weighted sum of each tensor.
 
     Sum alone misses a permutation; adding a position-weighted sum catches swapped elements too.
     """
     names, values = [], []
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else [])]
+    for name, tensor in tensors:
         flat = tensor.detach().to(torch.float64).flatten()
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         names.append(name)
@@ -28,15 +29,17 @@ def fingerprint(module: nn.Module) -> tuple[list[str], torch.Tensor]:
     return names, torch.stack(values).cpu() if values else torch.zeros(0, dtype=torch.float64)
 
 
-def check_replicas_agree(module: nn.Module, env: DistEnv, when: str) -> None:
+def check_replicas_agree(module: nn.Module, env: DistEnv, when: str, buffers: bool = True) -> None:
     """All ranks call this together; raises on every rank if any replica differs from rank 0's.
 
     Args:
         module: the local replica.
         env: this process's distributed environment.
         when: what just happened, for the message (e.g. "after loading checkpoint step-00000040").
+        buffers: compare buffers too. Leave them out between steps: the engine broadcasts rank 0's
+            buffers at the start of each forward, so running statistics legitimately differ until then.
     """
-    names, local = fingerprint(module)
+    names, local = fingerprint(module, buffers)
     gathered = [torch.empty_like(local) for _ in range(env.world_size)]
     dist.all_gather(gathered, local.to(env.device) if env.backend == "nccl" else local)
     reference = gathered[0].cpu()

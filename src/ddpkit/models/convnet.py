@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddpkit.errors import ConfigError
+
 
 def _conv_block(in_channels: int, out_channels: int) -> nn.Sequential:
     # padding=2 keeps the 5x5 conv size-preserving, so only the pool halves H and W.
@@ -28,16 +30,16 @@ class ConvNet(nn.Module):
             positive multiple of 4 (28 for MNIST, 8 for scikit-learn's digits).
 
     Raises:
-        ValueError: If ``num_classes`` is not positive or ``image_size`` is not a
+        ConfigError: If ``num_classes`` is not positive or ``image_size`` is not a
             positive multiple of 4.
     """
 
     def __init__(self, num_classes: int = 10, image_size: int = 28) -> None:
         super().__init__()
         if num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+            raise ConfigError(f"num_classes must be >= 1, got {num_classes}")
         if image_size < 4 or image_size % 4 != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"image_size must be a positive multiple of 4 (two 2x2 poolings), got "
                 f"{image_size}; use 28 for MNIST or 8 for scikit-learn digits"
             )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 from ddpkit.errors import ConfigError
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "native")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -26,7 +26,8 @@ class TrainConfig:
         out: directory for metrics.jsonl, loss.png, model.pt and config.json.
         log_every: log a metrics line every this many steps.
         backend: process-group backend: auto, gloo, nccl or mpi.
-        engine: gradient-synchronization engine: ``torch`` (DistributedDataParallel).
+        engine: gradient-synchronization engine: ``torch`` (DistributedDataParallel) or ``native``
+            (ddpkit.DataParallel).
         data: dataset path: a UTF-8 text file for gpt, an MNIST IDX directory for convnet.
         grad_clip: clip the global gradient norm to this value; 0 disables clipping.
         micro_batch: samples per forward/backward on one rank; smaller than the rank's share of the
@@ -40,6 +41,10 @@ class TrainConfig:
         eval_every: evaluate on the held-out split every this many steps (and at the end); 0 disables.
         log_samples: each rank writes OUT/samples/rank{R}.jsonl with the dataset indices of each step.
         drop_last: skip each epoch's final partial global batch.
+        check_every: every this many steps, all ranks compare parameter fingerprints; 0 disables.
+        on_nonfinite: what a non-finite gradient does: ``stop`` the run, or ``skip`` the step.
+        rank_table_every: rank 0 logs a table of every rank's timings this often; 0 disables
+            (stragglers are warned about at every log step regardless).
     """
 
     workload: str = "gpt"
@@ -64,6 +69,9 @@ class TrainConfig:
     eval_every: int = 0
     log_samples: bool = False
     drop_last: bool = False
+    check_every: int = 100
+    on_nonfinite: str = "stop"
+    rank_table_every: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "log_every", "micro_batch", "epochs", "keep_last"):
@@ -72,7 +80,9 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value} is below 1; use a positive integer")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr {self.lr} must be positive, for example --lr 3e-4")
-        for name in ("save_every", "eval_every"):
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"--on-nonfinite {self.on_nonfinite!r} must be stop or skip")
+        for name in ("save_every", "eval_every", "check_every", "rank_table_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} {getattr(self, name)} is below 0; use 0 to disable"

@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.metrics import read_metrics
+from ddpkit.train.stats import FIELDS, stragglers
 
 
 def summarize(records: list[dict], cfg: TrainConfig | None) -> list[str]:
@@ -29,11 +30,29 @@ def summarize(records: list[dict], cfg: TrainConfig | None) -> list[str]:
         )
     speeds = sorted(r["samples_per_s"] for r in logged)
     lines.append(f"throughput     median {speeds[len(speeds) // 2]:.1f} samples/s (all ranks)")
-    data, compute = last.get("data_s", 0.0), last.get("compute_s", 0.0)
     total = sum(r.get("time_s", 0.0) for r in logged)
-    lines.append(
-        f"time (rank 0)  data {data:.2f}s  compute+communication {compute:.2f}s  of {total:.2f}s logged"
-    )
+    lines.append(f"time logged    {total:.2f}s; per rank (seconds, summed over the run):")
+    lines += rank_totals(logged)
+    return lines
+
+
+def rank_totals(logged: list[dict]) -> list[str]:
+    """Each rank's data / compute / comm-wait seconds over the whole run, stragglers marked."""
+    totals: dict[int, dict[str, float]] = {}
+    for record in logged:
+        for row in record.get("ranks", []):
+            mine = totals.setdefault(row["rank"], dict.fromkeys(FIELDS, 0.0))
+            for field in FIELDS:
+                mine[field] += row[field]
+    rows = [{"rank": rank, **values} for rank, values in sorted(totals.items())]
+    slow = dict(stragglers(rows)) if rows else {}
+    lines = ["  rank    data_s  compute_s  comm_wait_s"]
+    for row in rows:
+        flag = f"  straggler ({slow[row['rank']]:.1f}x median)" if row["rank"] in slow else ""
+        lines.append(
+            f"  {row['rank']:>4}  {row['data_s']:8.2f}  {row['compute_s']:9.2f}  "
+            f"{row['comm_wait_s']:11.2f}{flag}"
+        )
     return lines
 
 

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from ddpkit.data.sampler import GlobalBatchSampler
+from ddpkit.diagnostics import check_replicas_agree, check_same_config
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import DataParallel
@@ -30,6 +31,7 @@ from ddpkit.train.batches import collate, micro_batches
 from ddpkit.train.callbacks import Callback, MetricsFile, ProgressBar, SampleLog
 from ddpkit.train.config import TrainConfig, check_split
 from ddpkit.train.schedule import warmup_cosine
+from ddpkit.train.stats import StepClock, Window, rank_table, stragglers
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,8 @@ class Trainer:
         self.out = Path(cfg.out)
         self.step = 0
         self.records: list[dict] = []
-        self.timers = {"data_s": 0.0, "compute_s": 0.0}
+        self.clock = StepClock(self.model.module)
+        self.skipped_steps = 0
         self.callbacks = [
             ProgressBar(),
             MetricsFile(),
@@ -106,9 +109,11 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         """Run to ``total_steps`` (resuming first if asked); returns the logged records."""
+        # Where a node writes (--out) and how it starts (--resume) may differ between nodes.
+        check_same_config(self.cfg.replace(out="", resume="").to_json(), self.env)
         checkpointing.maybe_resume(self)
         self._emit("on_fit_start")
-        window = _Window(self.env.device)
+        window = Window(self.env.device, self.clock)
         while self.step < self.total_steps:
             self.step += 1
             indices, loss_sum = self._run_step()
@@ -118,7 +123,7 @@ class Trainer:
         self._emit("on_fit_end")
         return self.records
 
-    def _after_step(self, window: _Window) -> None:
+    def _after_step(self, window: Window) -> None:
         last = self.step == self.total_steps
         evals = (
             self.evaluate() if self._due(self.cfg.eval_every, last) and self.eval_dataset is not None else {}
@@ -126,6 +131,8 @@ class Trainer:
         if self.step % self.cfg.log_every == 0 or last or evals:
             self._emit("on_log", self._log(window, evals))
             window.reset()
+        if self._due(self.cfg.check_every, last):
+            check_replicas_agree(self.model.module, self.env, f"at step {self.step}", buffers=False)
         if self._due(self.cfg.save_every, last):
             checkpointing.save(self)
 
@@ -159,10 +166,12 @@ class Trainer:
         fetched = time.perf_counter()
         with self._autocast():
             loss = self.loss_fn(self.model(x), y).float()  # mean over the chunk
+        backward_start = time.perf_counter()
         # chunk mean * len(chunk) = the chunk's sum; * scale = its share of the global mean.
         self.scaler.scale(loss * (len(chunk) * scale)).backward()
-        self.timers["data_s"] += fetched - start
-        self.timers["compute_s"] += time.perf_counter() - fetched
+        self.clock.add("data_s", fetched - start)
+        self.clock.add("compute_s", backward_start - fetched)
+        self.clock.backward_done(backward_start)
         return loss.detach() * len(chunk)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -173,34 +182,64 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         start = time.perf_counter()
-        if self.cfg.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the fp16-scaled one
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.unscale_(self.optimizer)  # clip and check the true gradient, not the fp16-scaled one
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = nn.utils.clip_grad_norm_(params, max_norm)
+        # The norm is of the all-reduced gradient, identical on every rank, so every rank takes
+        # the same decision here without another collective: no rank goes on alone.
         if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)  # the GradScaler skips non-finite steps itself
             self.scaler.update()
-        else:
+        elif torch.isfinite(norm):
             self.optimizer.step()
-        self.timers["compute_s"] += time.perf_counter() - start
+        else:
+            self._non_finite(norm)
+        self.clock.add("compute_s", time.perf_counter() - start)
 
-    def _log(self, window: _Window, extra: dict) -> dict:
-        # Every rank logs at the same steps, so this all-reduce is matched on all of them.
-        totals = torch.stack(
-            [window.loss_sum.float(), torch.tensor(float(window.samples), device=self.env.device)]
-        )
-        dist.all_reduce(totals)
+    def _non_finite(self, norm: Tensor) -> None:
+        if self.cfg.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"step {self.step}: the gradient norm is {norm.item()} on every rank; lower --lr or "
+                "check the data, or pass --on-nonfinite skip to skip such steps"
+            )
+        self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.env.is_rank0:
+            log.warning(
+                "step %d: gradient norm is %s; step skipped (--on-nonfinite skip)", self.step, norm.item()
+            )
+
+    def _log(self, window: Window, extra: dict) -> dict:
+        # Every rank logs at the same steps, so this all_gather is matched on all of them.
+        loss, samples, ranks = window.gather(self.env)
         elapsed = time.perf_counter() - window.start
         record = {
             "step": self.step,
-            "loss": (totals[0] / totals[1]).item(),
-            "samples_per_s": totals[1].item() / elapsed,
+            "loss": loss,
+            "samples_per_s": samples / elapsed,
             "lr": self.optimizer.param_groups[0]["lr"],
             "time_s": elapsed,
-            **{k: round(v, 6) for k, v in self.timers.items()},
+            **{k: round(v, 6) for k, v in self.clock.totals.items()},
+            "skipped_steps": self.skipped_steps,
+            "ranks": ranks,
             **extra,
         }
         self.records.append(record)
+        if self.env.is_rank0:
+            self._report_ranks(ranks)
         return record
+
+    def _report_ranks(self, ranks: list[dict]) -> None:
+        if self.cfg.rank_table_every and self.step % self.cfg.rank_table_every == 0:
+            log.info("%s", rank_table(self.step, ranks))
+        for rank, factor in stragglers(ranks):
+            log.warning(
+                "step %d: rank %d is a straggler: its data + compute took %.1fx the median rank's",
+                self.step,
+                rank,
+                factor,
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -222,18 +261,3 @@ class Trainer:
     def _emit(self, hook: str, *args: object) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
-
-
-class _Window:
-    """Loss and sample counts since the last log line (kept on the device: no sync per step)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss_sum, self.samples, self.start = torch.zeros((), device=self.device), 0, time.perf_counter()
-
-    def add(self, loss_sum: Tensor, samples: int) -> None:
-        self.loss_sum += loss_sum.detach()
-        self.samples += samples

@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit.dist import DistEnv, destroy, init_distributed
 from ddpkit.launch.orphans import die_with_parent
+from ddpkit.logs import setup_logging
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.metrics import plot_loss
 from ddpkit.train.trainer import Trainer
@@ -32,6 +33,7 @@ def seed_everything(seed: int) -> None:
 def train(cfg: TrainConfig) -> None:
     """Join the process group, train, and on rank 0 write the model and report."""
     env = init_distributed(cfg.backend)
+    setup_logging(env)
     if env.restart_count > 0:
         # The elastic agent restarted us after a failure: continue from the newest good checkpoint.
         cfg = cfg.replace(resume="auto")

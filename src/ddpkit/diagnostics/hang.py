@@ -1,0 +1,261 @@
+"""Hang attribution: when a collective does not complete in time, say who is behind and where.
+
+Every rank runs a ``HangWatchdog``: a daemon thread that watches the rank's own progress (the
+default group's collective sequence number, which gloo and NCCL advance when a collective is
+issued, and the phase the training loop last announced with ``phase()``) and publishes it in the
+rendezvous store whenever it changes. Each watchdog thread goes through these states:
+
+    watching --(own idle >= timeout_s; store.add(REPORTER) == 1)--> reporting
+        reporting: set REQUEST, collect answers for answer_s, print and write the report,
+                   os._exit(HANG_EXIT_CODE); the launcher then stops the other ranks.
+    watching --(store.add(REPORTER) > 1, or REQUEST appears)--> following
+        following: answer REQUEST once with a fresh state and the main thread's stack; exit
+                   follow_s later, in case the launcher does not stop this rank.
+    watching --(store unreachable at the timeout)--> report this rank's view alone and exit.
+
+A rank frozen by SIGSTOP (its watchdog thread is frozen too), dead, or holding the GIL cannot
+answer: the report shows its last published state and says it did not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ddpkit.diagnostics.hang_report import format_report
+from ddpkit.diagnostics.hang_state import Progress, RankState
+from ddpkit.diagnostics.hang_store import STORE_TIMEOUT_S, BoundedStore, watchdog_store
+from ddpkit.diagnostics.stacks import inflight_op, thread_stack
+from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+HANG_EXIT_CODE = 3
+_REPORTER, _REQUEST = "reporter", "request"
+
+
+def _state_key(rank: int) -> str:
+    return f"state/{rank}"
+
+
+def _answer_key(rank: int) -> str:
+    return f"answer/{rank}"
+
+
+class HangWatchdog:
+    """Reports which ranks have not reached which collective when one does not complete in time.
+
+    Start it once the process group exists; call ``phase()`` before each collective-bearing phase.
+
+    Args:
+        env: this process's distributed environment.
+        timeout_s: seconds without progress of this rank before the job is declared hung.
+        poll_s: how often the watchdog thread checks progress and the store (about 2 store calls).
+        report_path: a file the reporting rank also writes the report to; stderr always gets it.
+        store: where ranks meet; a clone of the default group's store when None.
+    """
+
+    follow_s = 10.0  # extra seconds a following rank waits for its launcher before exiting itself
+
+    def __init__(
+        self,
+        env: DistEnv,
+        timeout_s: float,
+        *,
+        poll_s: float = 1.0,
+        report_path: Path | str | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ConfigError(f"collective timeout must be positive, got {timeout_s!r} s")
+        if not 0 < poll_s < timeout_s:
+            raise ConfigError(f"poll_s must be between 0 and the timeout ({timeout_s:g} s), got {poll_s!r}")
+        self.env, self.timeout_s, self.poll_s = env, float(timeout_s), float(poll_s)
+        self.report_path = Path(report_path) if report_path is not None else None
+        self.answer_s = 2 * self.poll_s + 2.0  # answers come at the next poll of each rank
+        self._given_store = store
+        self._store: BoundedStore | None = None
+        self._mark: tuple[int, str] = (0, "started")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._main_ident = threading.get_ident()
+        self._group: dist.ProcessGroup | None = None
+        self._progress = Progress(time.monotonic())
+        self._answered = False
+        self._following_since: float | None = None
+
+    def phase(self, step: int, name: str) -> None:
+        """Announce the phase the training loop enters, e.g. ``phase(12, "log: loss all_reduce")``.
+
+        Cheap enough for every step: one attribute store, no I/O. The watchdog thread reads the
+        tuple whole (one assignment is atomic under the GIL) at its next poll.
+
+        Args:
+            step: the training step.
+            name: the phase and the collective it runs, shown in the report.
+        """
+        self._mark = (step, name)
+
+    def start(self) -> HangWatchdog:
+        """Start watching; the calling thread is the one whose stack the report shows."""
+        if self._thread is not None:
+            raise RuntimeError("HangWatchdog.start() called twice; call stop() first")
+        self._main_ident = threading.get_ident()
+        initialized = dist.is_available() and dist.is_initialized()
+        self._group = dist.group.WORLD if initialized else None
+        self._store = BoundedStore(self._given_store if self._given_store is not None else watchdog_store())
+        self._progress = Progress(time.monotonic())
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and join the thread; safe to call twice or before ``start()``."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join(timeout=self.poll_s + 2 * STORE_TIMEOUT_S)
+        self._store.close()
+
+    def __enter__(self) -> HangWatchdog:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._tick(time.monotonic())
+                self._stop.wait(self.poll_s)
+            # Tells a later report that this rank left the watched loop rather than froze.
+            self._publish(self._progress.state(self.env.rank, time.monotonic(), stopped=True))
+        except Exception:
+            # The watchdog must never take training down by itself.
+            log.exception("[rank %d] hang watchdog failed; training continues unwatched", self.env.rank)
+
+    def _tick(self, now: float) -> None:
+        if self._progress.observe(self._sequence_number(), self._mark, now):
+            self._publish(self._progress.state(self.env.rank, now))
+        if not self._answered and self._store.call("check", [_REQUEST]):
+            self._answer(now)
+        if self._following_since is not None:
+            self._follow(now)
+        elif self._progress.idle(now) >= self.timeout_s:
+            self._on_timeout(now)
+
+    def _sequence_number(self) -> int:
+        if self._group is None:
+            return 0
+        try:
+            return self._group._get_sequence_number_for_group()
+        except RuntimeError:  # group destroyed under a watchdog that was not stopped
+            return max(self._progress.seq, 0)
+
+    def _publish(self, state: RankState) -> None:
+        self._store.call("set", _state_key(self.env.rank), state.to_json())
+
+    def _fresh_state(self, now: float) -> RankState:
+        state = self._progress.state(self.env.rank, now)
+        name = self._group.group_name if self._group is not None else ""
+        return state.with_op(inflight_op(name, state.seq)) if name else state
+
+    def _answer(self, now: float) -> None:
+        payload = {"state": asdict(self._fresh_state(now)), "stack": thread_stack(self._main_ident)}
+        self._store.call("set", _answer_key(self.env.rank), json.dumps(payload))
+        self._answered = True
+        self._following_since = self._following_since or now
+
+    def _follow(self, now: float) -> None:
+        """Another rank is reporting; exit a while after it, should the launcher not stop this rank."""
+        if now - self._following_since < self.answer_s + self.follow_s:
+            return
+        reporter = self._store.call("get", _REQUEST) if self._answered else None
+        who = f"rank {int(reporter)}" if reporter else "another rank"
+        log.error("[rank %d] %s reported a hang (see its report); exiting", self.env.rank, who)
+        self._exit(HANG_EXIT_CODE)
+
+    def _on_timeout(self, now: float) -> None:
+        claim = self._store.call("add", _REPORTER, 1)
+        if claim is None:
+            self._report_alone(now)
+        elif claim == 1:
+            self._report(now)
+        else:
+            self._following_since = now  # a peer claimed the report; it will ask for our stack
+
+    def _report(self, now: float) -> None:
+        self._store.call("set", _REQUEST, str(self.env.rank))
+        states = {self.env.rank: self._fresh_state(now)}
+        stacks = {self.env.rank: thread_stack(self._main_ident)}
+        for rank, answer in self._collect_answers().items():
+            states[rank], stacks[rank] = RankState(**answer["state"]), answer["stack"]
+        for rank in set(range(self.env.world_size)) - set(states):
+            if (last := self._last_state(rank)) is not None:
+                states[rank] = last
+        rank, size = self.env.rank, self.env.world_size
+        self._emit(format_report(rank, self.timeout_s, size, states, stacks, time.time()))
+
+    def _collect_answers(self) -> dict[int, dict]:
+        """Answers of the other ranks, waiting up to ``answer_s`` for those that poll late."""
+        pending, found = set(range(self.env.world_size)) - {self.env.rank}, {}
+        deadline = time.monotonic() + self.answer_s
+        while pending and time.monotonic() < deadline:
+            for rank in sorted(pending):
+                if (raw := self._store.get_if_set(_answer_key(rank))) is not None:
+                    found[rank] = json.loads(raw)
+                    pending.discard(rank)
+            time.sleep(min(0.1, self.poll_s))
+        return found
+
+    def _last_state(self, rank: int) -> RankState | None:
+        raw = self._store.get_if_set(_state_key(rank))
+        return RankState.from_json(raw) if raw is not None else None
+
+    def _report_alone(self, now: float) -> None:
+        alone = (
+            "the rendezvous store did not answer (its host may be stopped or dead: rank 0 under "
+            "ddpkit.launch, the agent under ddpkit run/torchrun), so this is this rank's view only"
+        )
+        states = {self.env.rank: self._fresh_state(now)}
+        stacks = {self.env.rank: thread_stack(self._main_ident)}
+        rank, size = self.env.rank, self.env.world_size
+        self._emit(format_report(rank, self.timeout_s, size, states, stacks, time.time(), alone))
+
+    def _emit(self, text: str) -> None:
+        # Straight to stderr, not through logging: os._exit follows, which flushes no handler,
+        # and the report must reach the launcher's console whatever logging was configured.
+        prefix = f"[rank {self.env.rank}] "
+        sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))
+        if self.report_path is not None:
+            _write_atomic(self.report_path, text)
+        self._exit(HANG_EXIT_CODE)
+
+    def _exit(self, code: int) -> None:
+        """End the process: its main thread is stuck in a collective and cannot be interrupted."""
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        sys.stderr.write(f"could not write the hang report to {path}: {exc}\n")

@@ -1,0 +1,111 @@
+"""The hang report: which ranks have not reached which collective, and where every rank is.
+
+Pure formatting over the states and stacks the reporter collected, so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ddpkit.diagnostics.hang_state import RankState
+
+NO_ANSWER = "no answer: stopped (SIGSTOP), dead, or holding the GIL"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _collective(seq: int, states: list[RankState]) -> str:
+    """``#7 (gloo:all_reduce; step 3, phase 'log: loss all_reduce')`` from the ranks inside it."""
+    ops = sorted({s.op for s in states if s.op})
+    where = sorted({(s.step, s.phase) for s in states})
+    parts = ["/".join(ops) or "op unknown"] + [f"step {step}, phase {phase!r}" for step, phase in where]
+    return f"#{seq} ({'; '.join(parts)})"
+
+
+def attribute(states: Mapping[int, RankState], world_size: int) -> list[str]:
+    """Which ranks wait in which collective, and which have not reached it.
+
+    A rank's sequence number counts the collectives it has issued on the default group, so the
+    ranks with the highest number wait in that collective and every rank below it has not reached
+    it. When all ranks issued the same collective and it still did not complete, differing phases
+    mean the ranks called different collectives (a desync), not that one is late.
+
+    Args:
+        states: the latest state of every rank that published one.
+        world_size: number of ranks in the job.
+    """
+    lines = []
+    unknown = [r for r in range(world_size) if r not in states]
+    if unknown:
+        lines.append(f"{_ranks(unknown)} published no state: its watchdog never started")
+    if not states:
+        return lines
+    newest = max(s.seq for s in states.values())
+    waiting = [states[r] for r in sorted(states) if states[r].seq == newest]
+    behind = [states[r] for r in sorted(states) if states[r].seq < newest]
+    waiting_ranks = [s.rank for s in waiting]
+    if not behind:
+        lines.append(f"every rank issued collective {_collective(newest, waiting)}, and it did not complete")
+        if len({(s.phase, s.op) for s in waiting}) > 1:
+            lines.append("the ranks are in different phases: they called different collectives (a desync)")
+        return lines
+    lines.append(
+        f"{_ranks(waiting_ranks)} wait in collective {_collective(newest, waiting)}; "
+        f"{_ranks([s.rank for s in behind])} {'has' if len(behind) == 1 else 'have'} not reached it:"
+    )
+    for s in behind:
+        left = " (its watchdog was stopped: it left the watched loop)" if s.stopped else ""
+        lines.append(
+            f"  rank {s.rank} last issued #{s.seq}, {newest - s.seq} behind: "
+            f"step {s.step}, phase {s.phase!r}{left}"
+        )
+    return lines
+
+
+def rank_line(state: RankState | None, rank: int, answered: bool, now_wall: float) -> str:
+    """One line per rank: where it is, how long it has been idle, and whether it answered."""
+    if state is None:
+        return f"rank {rank}: no state published; {'answered' if answered else NO_ANSWER}"
+    op = f" ({state.op})" if state.op else ""
+    where = f"rank {rank}: issued #{state.seq}{op}, step {state.step}, phase {state.phase!r}"
+    who = f"idle {state.idle_s(now_wall):.1f} s, pid {state.pid} on {state.host}"
+    if answered:
+        return f"{where}, {who}: answered"
+    return f"{where}, {who}: {NO_ANSWER} (try: py-spy dump --pid {state.pid} on {state.host})"
+
+
+def format_report(
+    reporter: int,
+    timeout_s: float,
+    world_size: int,
+    states: Mapping[int, RankState],
+    stacks: Mapping[int, str],
+    now_wall: float,
+    alone: str = "",
+) -> str:
+    """The whole report, as text.
+
+    Args:
+        reporter: the rank writing the report.
+        timeout_s: the collective timeout that expired.
+        world_size: number of ranks in the job.
+        states: each rank's state: fresh from its answer, else its last published heartbeat.
+        stacks: the main thread's stack of each rank that answered.
+        now_wall: ``time.time()`` when the report was made.
+        alone: why only the reporter's own view could be gathered (the store did not answer);
+            then no attribution is attempted and only the ranks in ``states`` are listed.
+    """
+    listed = sorted(states) if alone else range(world_size)
+    lines = [
+        f"ddpkit hang report (by rank {reporter}): a rank made no progress for {timeout_s:g} s "
+        "(--collective-timeout)",
+        *([alone] if alone else attribute(states, world_size)),
+        "",
+        "ranks:",
+        *(f"  {rank_line(states.get(r), r, r in stacks, now_wall)}" for r in listed),
+    ]
+    for rank in sorted(stacks):
+        lines += ["", f"stack of rank {rank} (main thread, innermost call last):", stacks[rank].rstrip("\n")]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,115 @@
+"""The Trainer's diagnostics: stragglers, non-finite gradients, desync and config mismatch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import run_ranks
+from torch.utils.data import TensorDataset
+
+from ddpkit.launch import LaunchError
+from ddpkit.train import TrainConfig, Trainer
+from ddpkit.train.callbacks import Callback
+from ddpkit.train.stats import stragglers
+
+
+class SlowOnRank1(torch.nn.Module):
+    """A linear model whose forward takes 20 ms longer on rank 1: a straggler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            time.sleep(0.02)
+        return self.net(x)
+
+
+def _data(n: int = 48, bad: int | None = None) -> TensorDataset:
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    y = x.sum(dim=1, keepdim=True)
+    if bad is not None:
+        x[bad] = float("nan")
+    return TensorDataset(x, y)
+
+
+def _cfg(out: str, **changes) -> TrainConfig:
+    base = dict(out=out, steps=6, global_batch=8, lr=1e-2, warmup_steps=1, log_every=3, check_every=2)
+    return TrainConfig(**{**base, **changes})
+
+
+def _straggler_run(env, out: str) -> list[dict]:
+    torch.manual_seed(0)
+    return Trainer(SlowOnRank1(), _data(), F.mse_loss, env, _cfg(out)).fit()
+
+
+def test_straggler_shows_in_per_rank_timings(tmp_path):
+    records = run_ranks(_straggler_run, 2, str(tmp_path))[0]
+    ranks = records[-1]["ranks"]
+    assert ranks[1]["compute_s"] > 1.5 * ranks[0]["compute_s"]
+    assert ranks[0]["comm_wait_s"] > ranks[1]["comm_wait_s"]  # rank 0 waits for rank 1 in the all-reduce
+    assert [rank for rank, _ in stragglers(ranks)] == [1]
+
+
+def test_straggler_rule():
+    rows = [{"rank": r, "data_s": 0.0, "compute_s": c, "comm_wait_s": 0.0} for r, c in enumerate([1, 1.1, 2])]
+    assert stragglers(rows) == [(2, pytest.approx(2 / 1.1))]
+    assert stragglers([{**row, "compute_s": 0.0} for row in rows]) == []
+
+
+def _nan_run(env, out: str, on_nonfinite: str) -> tuple[int, bool]:
+    torch.manual_seed(0)
+    # Sample 5 is NaN; with shuffle it lands in some step on one rank only.
+    trainer = Trainer(
+        torch.nn.Linear(4, 1), _data(bad=5), F.mse_loss, env, _cfg(out, on_nonfinite=on_nonfinite)
+    )
+    trainer.fit()
+    finite = all(torch.isfinite(p).all() for p in trainer.model.module.parameters())
+    return trainer.skipped_steps, finite
+
+
+def test_non_finite_gradient_skips_the_step_on_every_rank(tmp_path):
+    results = run_ranks(_nan_run, 2, str(tmp_path), "skip")
+    assert results[0] == results[1] == (1, True)  # the same step skipped on both ranks, weights intact
+
+
+def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path):
+    with pytest.raises(LaunchError, match=r"FloatingPointError: step \d+: the gradient norm is nan"):
+        run_ranks(_nan_run, 2, str(tmp_path), "stop")
+
+
+class Desync(Callback):
+    """After step 3, rank 1's replica drifts: what a bug in user code does silently."""
+
+    def on_step_end(self, trainer, step, indices):
+        if step == 3 and trainer.env.rank == 1:
+            with torch.no_grad():
+                trainer.model.module.bias += 1.0
+
+
+def _desync_run(env, out: str) -> None:
+    torch.manual_seed(0)
+    Trainer(torch.nn.Linear(4, 1), _data(), F.mse_loss, env, _cfg(out), callbacks=[Desync()]).fit()
+
+
+def test_desync_is_caught_at_the_next_check(tmp_path):
+    with pytest.raises(
+        LaunchError, match=r"replicas differ at step 4: ranks \[1\] disagree with rank 0, first at 'bias'"
+    ):
+        run_ranks(_desync_run, 2, str(tmp_path))
+
+
+def _mismatched_config_run(env, out: str) -> None:
+    torch.manual_seed(0)
+    lr = 1e-2 if env.rank == 0 else 2e-2
+    Trainer(torch.nn.Linear(4, 1), _data(), F.mse_loss, env, _cfg(out, lr=lr)).fit()
+
+
+def test_ranks_with_different_configs_stop_at_start(tmp_path):
+    with pytest.raises(LaunchError, match=r"ranks \[1\] run a different configuration"):
+        run_ranks(_mismatched_config_run, 2, str(tmp_path))
