@@ -29,7 +29,7 @@ def test_toy_trains_logs_and_saves(tmp_path):
     done = _train("toy", "--nproc", "2", "--steps", "60", "--log-every", "10", "--out", str(out))
     assert done.returncode == 0, done.stderr
     records = _records(out)
-    assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
+    assert [r["step"] for r in records] == [1, 10, 20, 30, 40, 50, 60]
     assert {"step", "loss", "samples_per_s", "lr"} <= set(records[0])
     assert records[-1]["loss"] < 0.5 * records[0]["loss"]
     state = torch.load(out / "model.pt", weights_only=True)
@@ -53,7 +53,7 @@ def test_gpt_trains_and_prints_a_sample(tmp_path):
         "gpt", "--nproc", "2", "--steps", "8", "--log-every", "4", "--global-batch", "8", "--out", str(out)
     )
     assert done.returncode == 0, done.stderr
-    assert [r["step"] for r in _records(out)] == [4, 8]
+    assert [r["step"] for r in _records(out)] == [1, 4, 8]
     assert "--- sample ---" in done.stdout
     assert len((out / "sample.txt").read_text()) > 100
     state = torch.load(out / "model.pt", weights_only=True)

@@ -128,7 +128,8 @@ class Trainer:
         evals = (
             self.evaluate() if self._due(self.cfg.eval_every, last) and self.eval_dataset is not None else {}
         )
-        if self.step % self.cfg.log_every == 0 or last or evals:
+        # Step 1 too: the loss before training has moved anything is the reference point.
+        if self.step % self.cfg.log_every == 0 or self.step == 1 or last or evals:
             self._emit("on_log", self._log(window, evals))
             window.reset()
         if self._due(self.cfg.check_every, last):
