@@ -3,7 +3,17 @@
 from ddpkit.dist import DistEnv, destroy, init_distributed
 from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
+from ddpkit.parallel import DataParallel
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DistEnv", "LaunchError", "__version__", "destroy", "init_distributed", "launch"]
+__all__ = [
+    "ConfigError",
+    "DataParallel",
+    "DistEnv",
+    "LaunchError",
+    "__version__",
+    "destroy",
+    "init_distributed",
+    "launch",
+]

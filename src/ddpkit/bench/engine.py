@@ -1,0 +1,297 @@
+"""``ddpkit bench engine``: torch's DistributedDataParallel against ddpkit's native engine.
+
+Every rank holds one copy of the same GPT per engine; the engines take turns, a block of steps
+each, in rotating order, on the same data. Ratios are medians of per-round ratios, so load that
+drifts between rounds on a shared machine cancels out. Engines:
+
+  solo          rank 0 trains alone while the other ranks wait: the one-process baseline
+  none          every rank trains its own copy without communication: the upper bound
+  torch         torch.nn.parallel.DistributedDataParallel
+  native        ddpkit.DataParallel; native+bf16, native+fp16, native+powersgd compress
+
+A step's time is the slowest rank's (each step starts at a barrier). Bytes and collectives per
+step come from torch.profiler's gloo events in one extra step; peak RSS from separate short
+runs, one per engine, because a process's peak covers everything it ever held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.dist import cpu_cores, destroy, init_distributed
+from ddpkit.errors import ConfigError
+from ddpkit.launch import launch
+from ddpkit.launch.elastic import resolve_nproc
+from ddpkit.models import GPT, GPTConfig
+from ddpkit.parallel import DataParallel
+
+ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd")
+DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
+VOCAB = 128
+_FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head")
+_DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    """What ``ddpkit bench engine`` runs.
+
+    Args:
+        engines: engine names, each from ENGINES.
+        n_layer: GPT blocks; with n_embd 256 and 6 layers the GPT has 4.8M parameters (19 MB).
+        n_embd: GPT width.
+        n_head: attention heads.
+        seq: tokens per sample (the GPT's block_size).
+        batch: samples per rank per step.
+        blocks: rounds; in each, every engine runs one block of steps.
+        steps_per_block: timed steps per engine per round.
+        warmup: untimed steps per engine first (buckets are rebuilt after the first).
+    """
+
+    engines: tuple[str, ...] = tuple(DEFAULT_ENGINES.split(","))
+    n_layer: int = 6
+    n_embd: int = 256
+    n_head: int = 8
+    seq: int = 128
+    batch: int = 8
+    blocks: int = 12
+    steps_per_block: int = 2
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.engines if e not in ENGINES]
+        if unknown or not self.engines:
+            raise ConfigError(
+                f"--engines {','.join(self.engines)!r} has unknown names {unknown}; "
+                f"choose from {', '.join(ENGINES)}"
+            )
+        for name in ("n_layer", "n_embd", "n_head", "seq", "batch", "blocks", "steps_per_block"):
+            if getattr(self, name) < 1:
+                flag = f"--{name.replace('_', '-')}"
+                raise ConfigError(f"{flag} {getattr(self, name)} is below 1; use a positive integer")
+
+    def gpt(self) -> GPT:
+        """The benchmark's model, initialized from the current torch seed."""
+        shape = {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd}
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=self.seq, **shape))
+
+
+def wrap(name: str, model: nn.Module) -> nn.Module:
+    """The model as engine ``name`` trains it."""
+    if name in ("solo", "none"):
+        return model
+    if name == "torch":
+        return DistributedDataParallel(model)
+    compression = name.partition("+")[2] or None
+    return DataParallel(model, compression=compression)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor) -> None:
+    """One step, as the Trainer runs it."""
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # (B*T, V) vs (B*T,)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def _setup(cfg: EngineBenchConfig, rank: int, names: tuple[str, ...]):
+    torch.manual_seed(0)
+    base = cfg.gpt()
+    gen = torch.Generator().manual_seed(1000 + rank)  # data differs by rank, not by engine
+    x = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)  # (B, T)
+    y = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)
+    models = {name: wrap(name, copy.deepcopy(base)) for name in names}
+    optims = {name: torch.optim.AdamW(m.parameters(), lr=3e-4) for name, m in models.items()}
+    return base, models, optims, x, y
+
+
+def _run_block(name, model, optimizer, x, y, steps: int, rank: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()  # every step starts together, so the slowest rank's time is the step's
+        if name == "solo" and rank != 0:
+            continue  # wait in the next barrier while rank 0 trains alone
+        start = time.perf_counter()
+        train_step(model, optimizer, x, y)
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    return times
+
+
+def _comm_per_step(model, optimizer, x, y) -> tuple[int, int]:
+    """(collective calls, bytes) of one step, from the gloo events torch.profiler records."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        train_step(model, optimizer, x, y)
+    calls = nbytes = 0
+    for event in prof.profiler.kineto_results.events():
+        if event.name().startswith("gloo:"):
+            calls += 1
+            for shape, dtype in zip(event.shapes(), event.dtypes(), strict=False):
+                nbytes += _DTYPE_BYTES.get(dtype, 4) * int(torch.Size(shape).numel())
+    return calls, nbytes
+
+
+def _rounds(cfg: EngineBenchConfig, args: dict, rank: int) -> tuple[dict, float | None]:
+    """Each engine's step times, per round; and how busy the ranks waiting out ``solo`` were."""
+    rounds: dict[str, list[list[float]]] = {name: [] for name in cfg.engines}
+    idle_cpu = idle_wall = 0.0
+    for block in range(cfg.blocks):
+        k = block % len(cfg.engines)  # rotate, so no engine always runs right after another
+        for name in cfg.engines[k:] + cfg.engines[:k]:
+            cpu, wall = time.process_time(), time.perf_counter()
+            rounds[name].append(_run_block(*args[name], cfg.steps_per_block, rank))
+            if name == "solo" and rank != 0:
+                idle_cpu += time.process_time() - cpu
+                idle_wall += time.perf_counter() - wall
+    return rounds, (idle_cpu / idle_wall if idle_wall else None)
+
+
+def _timed_rank(cfg: EngineBenchConfig) -> dict:
+    env = init_distributed("gloo")
+    try:
+        base, models, optims, x, y = _setup(cfg, env.rank, cfg.engines)
+        args = {name: (name, models[name], optims[name], x, y) for name in cfg.engines}
+        for name in cfg.engines:
+            _run_block(*args[name], cfg.warmup, env.rank)
+        rounds, idle = _rounds(cfg, args, env.rank)
+        comm = {name: _comm_per_step(*args[name][1:]) for name in cfg.engines if name != "solo"}
+        everyone: list = [None] * env.world_size
+        dist.all_gather_object(everyone, {"rounds": rounds, "comm": comm, "idle_cpu_fraction": idle})
+        params, threads = sum(p.numel() for p in base.parameters()), torch.get_num_threads()
+        return {"ranks": everyone, "params": params, "threads": threads, "nproc": env.world_size}
+    finally:
+        destroy()
+
+
+def _memory_rank(cfg: EngineBenchConfig, name: str) -> float:
+    env = init_distributed("gloo")
+    try:
+        _, models, optims, x, y = _setup(cfg, env.rank, (name,))
+        for _ in range(cfg.warmup + 2):
+            train_step(models[name], optims[name], x, y)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    finally:
+        destroy()
+
+
+def _job_rounds(ranks: list[dict], name: str) -> list[list[float]]:
+    """Per round, each step's time on the slowest rank (solo: rank 0's only)."""
+    per_rank = [r["rounds"][name] for r in ranks if any(r["rounds"][name])]
+    return [[max(step) for step in zip(*blocks, strict=True)] for blocks in zip(*per_rank, strict=True)]
+
+
+def _paired(rounds: dict[str, list[float]], name: str, base: str, invert: bool = False) -> float:
+    # Engines that ran in the same round saw the same machine load; the median of per-round
+    # ratios cancels the load that drifts between rounds.
+    pairs = zip(rounds[name], rounds[base], strict=True)
+    return statistics.median((b / a) if invert else (a / b) for a, b in pairs)
+
+
+def summarize(timed: dict, rss: dict[str, list[float]]) -> dict:
+    """Per-engine medians, p90s, ratios to torch, scaling efficiency, traffic and peak RSS."""
+    ranks, engines = timed["ranks"], {}
+    round_medians: dict[str, list[float]] = {}
+    for name in ranks[0]["rounds"]:
+        job = _job_rounds(ranks, name)
+        steps = [t for block in job for t in block]
+        round_medians[name] = [statistics.median(block) for block in job]
+        calls, nbytes = ranks[0]["comm"].get(name, (0, 0))
+        engines[name] = {
+            "median_ms": 1e3 * statistics.median(steps),
+            "p90_ms": 1e3 * (statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else steps[0]),
+            "steps": len(steps),
+            "round_medians_ms": [round(1e3 * m, 1) for m in round_medians[name]],
+            "collectives_per_step": calls,
+            "bytes_per_step": nbytes,
+            "peak_rss_mb": rss.get(name),
+        }
+    for name, row in engines.items():
+        if "torch" in engines:
+            row["vs_torch"] = _paired(round_medians, name, "torch")
+            row["vs_torch_of_medians"] = row["median_ms"] / engines["torch"]["median_ms"]
+        if "solo" in engines and name != "solo":
+            # throughput at N processes over N times one process's (same per-process batch)
+            row["scaling_efficiency"] = _paired(round_medians, name, "solo", invert=True)
+    return {
+        "engines": engines,
+        "params": timed["params"],
+        "threads_per_rank": timed["threads"],
+        "nproc": timed["nproc"],
+        "solo_idle_rank_cpu_fraction": ranks[-1]["idle_cpu_fraction"],
+    }
+
+
+def format_table(summary: dict) -> str:
+    """The summary as a fixed-width table, one row per engine."""
+    lines = [
+        f"{'engine':<16}{'median ms':>10}{'p90 ms':>9}{'/torch':>8}{'scaling':>9}{'MB/step':>9}"
+        f"{'calls':>7}  peak RSS MB per rank"
+    ]
+    for name, row in summary["engines"].items():
+        rss = " ".join(f"{v:.0f}" for v in row["peak_rss_mb"]) if row["peak_rss_mb"] else "-"
+        ratio = f"{row['vs_torch']:.3f}" if "vs_torch" in row else "-"
+        scaling = f"{row['scaling_efficiency']:.2f}" if "scaling_efficiency" in row else "-"
+        lines.append(
+            f"{name:<16}{row['median_ms']:>10.1f}{row['p90_ms']:>9.1f}{ratio:>8}{scaling:>9}"
+            f"{row['bytes_per_step'] / 1e6:>9.1f}{row['collectives_per_step']:>7}  {rss}"
+        )
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``ddpkit bench engine`` command line."""
+    from ddpkit.cli import OneLineParser  # the CLI imports benchmarks lazily, so no cycle
+
+    p = OneLineParser(prog="ddpkit bench engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", default="2", help="processes (default 2)")
+    p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, from {', '.join(ENGINES)}")
+    for name in _FLAGS:
+        default = getattr(EngineBenchConfig(), name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"default {default}")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
+    p.add_argument("--json", type=Path, help="write the summary to this file")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> EngineBenchConfig:
+    """The benchmark configuration the parsed flags describe."""
+    engines = tuple(e.strip() for e in ns.engines.split(",") if e.strip())
+    return EngineBenchConfig(engines=engines, **{name: getattr(ns, name) for name in _FLAGS})
+
+
+def main(argv: list[str]) -> int:
+    """``ddpkit bench engine``: prints the table (and writes --json); 0 on success."""
+    ns = parser().parse_args(argv)
+    cfg = config_from_args(ns)
+    nproc = resolve_nproc(ns.nproc)
+    timed = launch(_timed_rank, nproc, (cfg,))[0]
+    memory = [name for name in cfg.engines if name != "solo" and not ns.no_memory]
+    rss = {name: launch(_memory_rank, nproc, (cfg, name)) for name in memory}
+    summary = summarize(timed, rss) | {
+        "config": asdict(cfg),
+        "cpu_cores": cpu_cores(),
+        "torch": torch.__version__,
+    }
+    print(
+        f"# ddpkit bench engine: GPT {summary['params'] / 1e6:.1f}M params, {nproc} processes x "
+        f"{summary['threads_per_rank']} threads, {cfg.blocks} rounds x {cfg.steps_per_block} steps "
+        "per engine; /torch and scaling are medians of per-round ratios"
+    )
+    print(format_table(summary))
+    if ns.json:
+        ns.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -1,0 +1,68 @@
+"""Construction: ranks with different models fail at once with the first difference, on every rank;
+ranks with different initial values start from rank 0's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_ranks
+from torch import nn
+
+from ddpkit import ConfigError, DataParallel
+from ddpkit.parallel.sync import first_difference, param_signature
+
+
+def _wrap_catching(model: nn.Module) -> str:
+    try:
+        DataParallel(model)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _construct(env) -> dict:
+    wide = 10 + env.rank  # rank 1 builds a wider layer
+    torch.manual_seed(env.rank)  # and every rank initializes differently
+    same = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    same[1].running_mean.fill_(env.rank)
+    wrapped = DataParallel(same)
+    return {
+        "shape": _wrap_catching(nn.Sequential(nn.Linear(4, wide))),
+        "count": _wrap_catching(nn.Sequential(*[nn.Linear(4, 4) for _ in range(1 + env.rank)])),
+        "state": [t.clone() for t in [*wrapped.module.parameters(), *wrapped.module.buffers()]],
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_construct, 2)
+
+
+def test_shape_mismatch_names_parameter_shapes_and_ranks(results) -> None:
+    for result in results:  # every rank raises, so none is left waiting in a collective
+        assert "parameter '0.weight' has shape (10, 4) on rank 0 but (11, 4) on rank 1" in result["shape"]
+        assert "build the same model" in result["shape"]
+
+
+def test_parameter_count_mismatch_names_the_first_extra(results) -> None:
+    for result in results:
+        assert "rank 0 has 2 parameters and rank 1 has 4" in result["count"]
+        assert "'1.weight' on rank 1" in result["count"]
+
+
+def test_parameters_and_buffers_start_from_rank_0(results) -> None:
+    for ours, theirs in zip(results[0]["state"], results[1]["state"], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_first_difference_spots_dtype_and_requires_grad() -> None:
+    base = param_signature(nn.Linear(2, 2))
+    assert first_difference(base, param_signature(nn.Linear(2, 2).double()), 3) == (
+        "parameter 'weight' has dtype torch.float32 on rank 0 but torch.float64 on rank 3"
+    )
+    frozen = nn.Linear(2, 2)
+    frozen.bias.requires_grad_(False)
+    assert "requires_grad True on rank 0 but False on rank 1" in first_difference(
+        base, param_signature(frozen), 1
+    )
+    assert first_difference(base, base, 1) is None
