@@ -106,3 +106,16 @@ def test_losses_do_not_depend_on_world_size(tmp_path):
         assert len(losses[nproc]) == 20
         for step, (a, b) in enumerate(zip(losses[1], losses[nproc], strict=True), 1):
             assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: world 1 loss {a} vs world {nproc} loss {b}"
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    run = ["--steps", "20", "--save-every", "5", "--keep-last", "3"]
+    _run(tmp_path / "whole", 2, *run)
+    newest = tmp_path / "whole" / "checkpoints" / "step-00000020" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a truncated write
+    reference = _model(tmp_path / "whole")
+    done = _run(tmp_path / "whole", 2, *run, "--resume", "auto")
+    assert "resumed from" in done.stdout and "step-00000015" in done.stdout
+    assert "step-00000020 is corrupt" in done.stderr
+    again = _model(tmp_path / "whole")
+    assert all(torch.equal(reference[k], again[k]) for k in reference)  # steps 16-20 redone exactly
