@@ -57,7 +57,7 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
     parser.add_argument("--backend", default="auto", help="auto, gloo, nccl or mpi")
     parser.add_argument(
-        "--engine", default="torch", help="gradient sync engine: torch (DistributedDataParallel)"
+        "--engine", default="torch", help="torch (DistributedDataParallel) or native (ddpkit.DataParallel)"
     )
     parser.add_argument("--data", help="a UTF-8 text file (gpt) or an MNIST IDX directory (convnet)")
     parser.add_argument(
@@ -84,6 +84,12 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--on-nonfinite", default="stop", help="stop or skip on a non-finite gradient")
     parser.add_argument(
         "--rank-table-every", type=int, default=0, help="log every rank's timings every N steps"
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds without progress before a hang report (0: off)",
     )
     add_launch_flags(parser)
     return parser

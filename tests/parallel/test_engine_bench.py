@@ -16,8 +16,9 @@ def _timed(rounds: dict[str, list[list[list[float]]]]) -> dict:
     ranks = [
         {
             "rounds": {name: per_rank[r] for name, per_rank in rounds.items()},
+            # CPU and wall seconds per engine; rank 1 sat out `solo` nearly idle
+            "spent": {name: [0.04, 1.0] if (name, r) == ("solo", 1) else [0.8, 5.0] for name in rounds},
             "comm": {"torch": (2, 19_200_000)},
-            "idle_cpu_fraction": 0.01,
         }
         for r in range(2)
     ]
@@ -39,6 +40,9 @@ def test_summary_pairs_rounds_and_takes_the_slowest_rank() -> None:
     assert rows["native"]["round_medians_ms"] == [900.0, 1800.0]  # max over ranks per step
     assert rows["native"]["scaling_efficiency"] == pytest.approx(0.5 / 0.9)
     assert rows["torch"]["bytes_per_step"] == 19_200_000 and rows["native"]["peak_rss_mb"] == [500.0, 510.0]
+    assert rows["native"]["cpu_ms_per_step"] == pytest.approx(200.0)  # 0.8 s over 4 steps
+    assert rows["solo"]["cpu_ms_per_step"] == pytest.approx(200.0)  # rank 0 only: rank 1 ran no step
+    assert summary["solo_idle_rank_cpu_fraction"] == pytest.approx(0.04)
     table = engine.format_table(summary)
     assert "native" in table and "0.900" in table and "500 510" in table
 

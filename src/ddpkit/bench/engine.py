@@ -9,9 +9,9 @@ drifts between rounds on a shared machine cancels out. Engines:
   torch         torch.nn.parallel.DistributedDataParallel
   native        ddpkit.DataParallel; native+bf16, native+fp16, native+powersgd compress
 
-A step's time is the slowest rank's (each step starts at a barrier). Bytes and collectives per
-step come from torch.profiler's gloo events in one extra step; peak RSS from separate short
-runs, one per engine, because a process's peak covers everything it ever held.
+A step's time is the slowest rank's (steps start at a barrier); CPU time counts all threads.
+Bytes and collectives per step come from torch.profiler's gloo events in one extra step; peak
+RSS from separate short runs, one per engine (a process's peak covers all it ever held).
 """
 
 from __future__ import annotations
@@ -145,19 +145,18 @@ def _comm_per_step(model, optimizer, x, y) -> tuple[int, int]:
     return calls, nbytes
 
 
-def _rounds(cfg: EngineBenchConfig, args: dict, rank: int) -> tuple[dict, float | None]:
-    """Each engine's step times, per round; and how busy the ranks waiting out ``solo`` were."""
+def _rounds(cfg: EngineBenchConfig, args: dict, rank: int) -> tuple[dict, dict]:
+    """Each engine's step times, per round; and the CPU and wall seconds its blocks took here."""
     rounds: dict[str, list[list[float]]] = {name: [] for name in cfg.engines}
-    idle_cpu = idle_wall = 0.0
+    spent = {name: [0.0, 0.0] for name in cfg.engines}
     for block in range(cfg.blocks):
         k = block % len(cfg.engines)  # rotate, so no engine always runs right after another
         for name in cfg.engines[k:] + cfg.engines[:k]:
             cpu, wall = time.process_time(), time.perf_counter()
             rounds[name].append(_run_block(*args[name], cfg.steps_per_block, rank))
-            if name == "solo" and rank != 0:
-                idle_cpu += time.process_time() - cpu
-                idle_wall += time.perf_counter() - wall
-    return rounds, (idle_cpu / idle_wall if idle_wall else None)
+            spent[name][0] += time.process_time() - cpu  # all threads: compute, gloo, autograd
+            spent[name][1] += time.perf_counter() - wall
+    return rounds, spent
 
 
 def _timed_rank(cfg: EngineBenchConfig) -> dict:
@@ -167,10 +166,10 @@ def _timed_rank(cfg: EngineBenchConfig) -> dict:
         args = {name: (name, models[name], optims[name], x, y) for name in cfg.engines}
         for name in cfg.engines:
             _run_block(*args[name], cfg.warmup, env.rank)
-        rounds, idle = _rounds(cfg, args, env.rank)
+        rounds, spent = _rounds(cfg, args, env.rank)
         comm = {name: _comm_per_step(*args[name][1:]) for name in cfg.engines if name != "solo"}
         everyone: list = [None] * env.world_size
-        dist.all_gather_object(everyone, {"rounds": rounds, "comm": comm, "idle_cpu_fraction": idle})
+        dist.all_gather_object(everyone, {"rounds": rounds, "spent": spent, "comm": comm})
         params, threads = sum(p.numel() for p in base.parameters()), torch.get_num_threads()
         return {"ranks": everyone, "params": params, "threads": threads, "nproc": env.world_size}
     finally:
@@ -194,60 +193,66 @@ def _job_rounds(ranks: list[dict], name: str) -> list[list[float]]:
     return [[max(step) for step in zip(*blocks, strict=True)] for blocks in zip(*per_rank, strict=True)]
 
 
-def _paired(rounds: dict[str, list[float]], name: str, base: str, invert: bool = False) -> float:
+def _cpu_per_step(ranks: list[dict], name: str) -> float:
+    """CPU seconds per step, averaged over the ranks that trained (solo: rank 0)."""
+    per_rank = [(r["spent"][name][0], sum(map(len, r["rounds"][name]))) for r in ranks]
+    return statistics.mean(cpu / steps for cpu, steps in per_rank if steps)
+
+
+def _row(ranks: list[dict], name: str, rss: list[float] | None) -> dict:
+    job = _job_rounds(ranks, name)
+    steps = [t for block in job for t in block]
+    calls, nbytes = ranks[0]["comm"].get(name, (0, 0))
+    return {
+        "median_ms": 1e3 * statistics.median(steps),
+        "p90_ms": 1e3 * (statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else steps[0]),
+        "cpu_ms_per_step": 1e3 * _cpu_per_step(ranks, name),
+        "round_medians_ms": [1e3 * statistics.median(block) for block in job],
+        "collectives_per_step": calls,
+        "bytes_per_step": nbytes,
+        "peak_rss_mb": rss,
+    }
+
+
+def _paired(rows: dict[str, dict], name: str, base: str) -> float:
     # Engines that ran in the same round saw the same machine load; the median of per-round
     # ratios cancels the load that drifts between rounds.
-    pairs = zip(rounds[name], rounds[base], strict=True)
-    return statistics.median((b / a) if invert else (a / b) for a, b in pairs)
+    pairs = zip(rows[name]["round_medians_ms"], rows[base]["round_medians_ms"], strict=True)
+    return statistics.median(a / b for a, b in pairs)
 
 
 def summarize(timed: dict, rss: dict[str, list[float]]) -> dict:
-    """Per-engine medians, p90s, ratios to torch, scaling efficiency, traffic and peak RSS."""
-    ranks, engines = timed["ranks"], {}
-    round_medians: dict[str, list[float]] = {}
-    for name in ranks[0]["rounds"]:
-        job = _job_rounds(ranks, name)
-        steps = [t for block in job for t in block]
-        round_medians[name] = [statistics.median(block) for block in job]
-        calls, nbytes = ranks[0]["comm"].get(name, (0, 0))
-        engines[name] = {
-            "median_ms": 1e3 * statistics.median(steps),
-            "p90_ms": 1e3 * (statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else steps[0]),
-            "steps": len(steps),
-            "round_medians_ms": [round(1e3 * m, 1) for m in round_medians[name]],
-            "collectives_per_step": calls,
-            "bytes_per_step": nbytes,
-            "peak_rss_mb": rss.get(name),
-        }
-    for name, row in engines.items():
-        if "torch" in engines:
-            row["vs_torch"] = _paired(round_medians, name, "torch")
-            row["vs_torch_of_medians"] = row["median_ms"] / engines["torch"]["median_ms"]
-        if "solo" in engines and name != "solo":
+    """Per-engine medians, p90s, ratios to torch, scaling efficiency, CPU, traffic and peak RSS."""
+    ranks = timed["ranks"]
+    rows = {name: _row(ranks, name, rss.get(name)) for name in ranks[0]["rounds"]}
+    for name, row in rows.items():
+        if "torch" in rows:
+            row["vs_torch"] = _paired(rows, name, "torch")
+            row["vs_torch_of_medians"] = row["median_ms"] / rows["torch"]["median_ms"]
+        if "solo" in rows and name != "solo":
             # throughput at N processes over N times one process's (same per-process batch)
-            row["scaling_efficiency"] = _paired(round_medians, name, "solo", invert=True)
-    return {
-        "engines": engines,
-        "params": timed["params"],
-        "threads_per_rank": timed["threads"],
-        "nproc": timed["nproc"],
-        "solo_idle_rank_cpu_fraction": ranks[-1]["idle_cpu_fraction"],
-    }
+            row["scaling_efficiency"] = 1 / _paired(rows, name, "solo")
+    waiting = ranks[-1]["spent"].get("solo", (0.0, 0.0))  # the last rank waits out `solo`
+    # ~0 when the ranks waiting out `solo` really leave the machine to rank 0
+    idle = waiting[0] / waiting[1] if waiting[1] and len(ranks) > 1 else None
+    about = {"params": timed["params"], "threads_per_rank": timed["threads"], "nproc": timed["nproc"]}
+    return {"engines": rows, **about, "solo_idle_rank_cpu_fraction": idle}
 
 
 def format_table(summary: dict) -> str:
     """The summary as a fixed-width table, one row per engine."""
     lines = [
-        f"{'engine':<16}{'median ms':>10}{'p90 ms':>9}{'/torch':>8}{'scaling':>9}{'MB/step':>9}"
-        f"{'calls':>7}  peak RSS MB per rank"
+        f"{'engine':<13}{'median ms':>10}{'p90 ms':>8}{'/torch':>8}{'scaling':>8}{'CPU ms':>8}"
+        f"{'MB/step':>8}{'calls':>6}  peak RSS MB per rank"
     ]
     for name, row in summary["engines"].items():
         rss = " ".join(f"{v:.0f}" for v in row["peak_rss_mb"]) if row["peak_rss_mb"] else "-"
         ratio = f"{row['vs_torch']:.3f}" if "vs_torch" in row else "-"
         scaling = f"{row['scaling_efficiency']:.2f}" if "scaling_efficiency" in row else "-"
         lines.append(
-            f"{name:<16}{row['median_ms']:>10.1f}{row['p90_ms']:>9.1f}{ratio:>8}{scaling:>9}"
-            f"{row['bytes_per_step'] / 1e6:>9.1f}{row['collectives_per_step']:>7}  {rss}"
+            f"{name:<13}{row['median_ms']:>10.1f}{row['p90_ms']:>8.1f}{ratio:>8}{scaling:>8}"
+            f"{row['cpu_ms_per_step']:>8.1f}{row['bytes_per_step'] / 1e6:>8.1f}"
+            f"{row['collectives_per_step']:>6}  {rss}"
         )
     return "\n".join(lines)
 
@@ -279,13 +284,10 @@ def main(argv: list[str]) -> int:
     cfg = config_from_args(ns)
     nproc = resolve_nproc(ns.nproc)
     timed = launch(_timed_rank, nproc, (cfg,))[0]
-    memory = [name for name in cfg.engines if name != "solo" and not ns.no_memory]
+    memory = [] if ns.no_memory else [name for name in cfg.engines if name != "solo"]
     rss = {name: launch(_memory_rank, nproc, (cfg, name)) for name in memory}
-    summary = summarize(timed, rss) | {
-        "config": asdict(cfg),
-        "cpu_cores": cpu_cores(),
-        "torch": torch.__version__,
-    }
+    about = {"config": asdict(cfg), "cpu_cores": cpu_cores(), "torch": torch.__version__}
+    summary = summarize(timed, rss) | about
     print(
         f"# ddpkit bench engine: GPT {summary['params'] / 1e6:.1f}M params, {nproc} processes x "
         f"{summary['threads_per_rank']} threads, {cfg.blocks} rounds x {cfg.steps_per_block} steps "

@@ -54,7 +54,13 @@ def _answer_key(rank: int) -> str:
 class HangWatchdog:
     """Reports which ranks have not reached which collective when one does not complete in time.
 
-    Start it once the process group exists; call ``phase()`` before each collective-bearing phase.
+    Start it once the process group exists, from the training thread (the one whose stack the
+    report shows); call ``phase()`` before each collective-bearing phase::
+
+        with HangWatchdog(env, timeout_s=1800, report_path=out / "hang-report.txt") as watchdog:
+            for step in range(1, steps + 1):
+                watchdog.phase(step, "forward/backward: gradient all-reduce")
+                ...
 
     Args:
         env: this process's distributed environment.
@@ -76,7 +82,7 @@ class HangWatchdog:
         store: dist.Store | None = None,
     ) -> None:
         if not timeout_s > 0:
-            raise ConfigError(f"collective timeout must be positive, got {timeout_s!r} s")
+            raise ConfigError(f"--collective-timeout must be a positive number of seconds, got {timeout_s!r}")
         if not 0 < poll_s < timeout_s:
             raise ConfigError(f"poll_s must be between 0 and the timeout ({timeout_s:g} s), got {poll_s!r}")
         self.env, self.timeout_s, self.poll_s = env, float(timeout_s), float(poll_s)
@@ -114,6 +120,7 @@ class HangWatchdog:
         self._group = dist.group.WORLD if initialized else None
         self._store = BoundedStore(self._given_store if self._given_store is not None else watchdog_store())
         self._progress = Progress(time.monotonic())
+        self._answered, self._following_since = False, None
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watchdog", daemon=True)
         self._thread.start()
@@ -143,9 +150,14 @@ class HangWatchdog:
             self._publish(self._progress.state(self.env.rank, time.monotonic(), stopped=True))
         except Exception:
             # The watchdog must never take training down by itself.
-            log.exception("[rank %d] hang watchdog failed; training continues unwatched", self.env.rank)
+            log.exception("hang watchdog failed; training continues unwatched")
 
     def _tick(self, now: float) -> None:
+        if self._group is not None and not dist.is_initialized():
+            # destroy() without stop(): no collective can hang any more, and idling on would
+            # end in a false report.
+            self._stop.set()
+            return
         if self._progress.observe(self._sequence_number(), self._mark, now):
             self._publish(self._progress.state(self.env.rank, now))
         if not self._answered and self._store.call("check", [_REQUEST]):
@@ -183,7 +195,7 @@ class HangWatchdog:
             return
         reporter = self._store.call("get", _REQUEST) if self._answered else None
         who = f"rank {int(reporter)}" if reporter else "another rank"
-        log.error("[rank %d] %s reported a hang (see its report); exiting", self.env.rank, who)
+        log.error("%s reported a hang (see its report); exiting with code %d", who, HANG_EXIT_CODE)
         self._exit(HANG_EXIT_CODE)
 
     def _on_timeout(self, now: float) -> None:
@@ -244,8 +256,10 @@ class HangWatchdog:
 
     def _exit(self, code: int) -> None:
         """End the process: its main thread is stuck in a collective and cannot be interrupted."""
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        # ddpkit's logger does not propagate to the root (ddpkit.logs.setup_logging): flush both.
+        for name in ("", "ddpkit"):
+            for handler in logging.getLogger(name).handlers:
+                handler.flush()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -258,4 +272,4 @@ def _write_atomic(path: Path, text: str) -> None:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
-        sys.stderr.write(f"could not write the hang report to {path}: {exc}\n")
+        log.error("could not write the hang report to %s: %s", path, exc)

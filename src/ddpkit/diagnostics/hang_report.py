@@ -29,32 +29,37 @@ def attribute(states: Mapping[int, RankState], world_size: int) -> list[str]:
 
     A rank's sequence number counts the collectives it has issued on the default group, so the
     ranks with the highest number wait in that collective and every rank below it has not reached
-    it. When all ranks issued the same collective and it still did not complete, differing phases
-    mean the ranks called different collectives (a desync), not that one is late.
+    it. When all ranks issued the same number of collectives, none is late: they are all stuck in
+    or after it (the stacks tell which), and differing phases mean they called different
+    collectives (a desync).
 
     Args:
         states: the latest state of every rank that published one.
         world_size: number of ranks in the job.
     """
-    lines = []
     unknown = [r for r in range(world_size) if r not in states]
-    if unknown:
-        lines.append(f"{_ranks(unknown)} published no state: its watchdog never started")
+    lines = [f"{_ranks(unknown)} published no state (watchdog not started)"] if unknown else []
     if not states:
         return lines
     newest = max(s.seq for s in states.values())
     waiting = [states[r] for r in sorted(states) if states[r].seq == newest]
     behind = [states[r] for r in sorted(states) if states[r].seq < newest]
-    waiting_ranks = [s.rank for s in waiting]
-    if not behind:
-        lines.append(f"every rank issued collective {_collective(newest, waiting)}, and it did not complete")
-        if len({(s.phase, s.op) for s in waiting}) > 1:
-            lines.append("the ranks are in different phases: they called different collectives (a desync)")
-        return lines
-    lines.append(
-        f"{_ranks(waiting_ranks)} wait in collective {_collective(newest, waiting)}; "
-        f"{_ranks([s.rank for s in behind])} {'has' if len(behind) == 1 else 'have'} not reached it:"
-    )
+    return lines + (_late_ranks(newest, waiting, behind) if behind else _level_ranks(newest, waiting))
+
+
+def _level_ranks(newest: int, states: list[RankState]) -> list[str]:
+    lines = [f"every rank has issued collective {_collective(newest, states)}; none progressed since"]
+    if len({(s.phase, s.op) for s in states}) > 1:
+        lines.append("the ranks are in different phases: they called different collectives (a desync)")
+    return lines
+
+
+def _late_ranks(newest: int, waiting: list[RankState], behind: list[RankState]) -> list[str]:
+    verb = "has" if len(behind) == 1 else "have"
+    lines = [
+        f"{_ranks([s.rank for s in waiting])} wait in collective {_collective(newest, waiting)}; "
+        f"{_ranks([s.rank for s in behind])} {verb} not reached it:"
+    ]
     for s in behind:
         left = " (its watchdog was stopped: it left the watched loop)" if s.stopped else ""
         lines.append(
@@ -99,8 +104,7 @@ def format_report(
     """
     listed = sorted(states) if alone else range(world_size)
     lines = [
-        f"ddpkit hang report (by rank {reporter}): a rank made no progress for {timeout_s:g} s "
-        "(--collective-timeout)",
+        f"ddpkit hang report: rank {reporter} made no progress for {timeout_s:g} s (--collective-timeout)",
         *([alone] if alone else attribute(states, world_size)),
         "",
         "ranks:",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from ddpkit.diagnostics.hang import HANG_EXIT_CODE
+
 # What gloo and NCCL say when the other end of a collective went away: a consequence, not a cause.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 
@@ -56,6 +58,10 @@ class WorkerFailure(RuntimeError):
         rank, failure = _root_failure(exc)
         if failure.exitcode < 0:
             detail = f"killed by signal {failure.signal_name()}"
+        elif failure.exitcode == HANG_EXIT_CODE:
+            detail = (
+                "a collective did not complete in time; see the hang report above (and OUT/hang-report.txt)"
+            )
         elif isinstance(failure.message, dict):
             # Written by @record in the worker: {"message": ..., "extraInfo": {"py_callstack": ...}}
             info = failure.message.get("extraInfo", {})

@@ -50,11 +50,11 @@ def first_difference(reference: list, other: list, rank: int) -> str | None:
             if mine != theirs:
                 return f"parameter {name!r} has {what} {mine} on rank 0 but {theirs} on rank {rank}"
     if len(reference) != len(other):
-        longer, count = (0, len(reference)) if len(reference) > len(other) else (rank, len(other))
-        extra = (reference if longer == 0 else other)[min(len(reference), len(other))][0]
+        holder, longer = (0, reference) if len(reference) > len(other) else (rank, other)
+        extra = longer[min(len(reference), len(other))][0]
         return (
             f"rank 0 has {len(reference)} parameters and rank {rank} has {len(other)}; "
-            f"the first extra one is {extra!r} on rank {longer}"
+            f"the first extra one is {extra!r} on rank {holder}"
         )
     return None
 

@@ -43,6 +43,9 @@ class TrainConfig:
         drop_last: skip each epoch's final partial global batch.
         check_every: every this many steps, all ranks compare parameter fingerprints; 0 disables.
         on_nonfinite: what a non-finite gradient does: ``stop`` the run, or ``skip`` the step.
+        collective_timeout: seconds a rank may go without progress in a collective before ddpkit
+            reports which ranks are behind, prints every rank's stack and stops the run; 0 disables.
+            Generous by default: slow ranks (the seeds' skewed processing speeds) are not hangs.
         rank_table_every: rank 0 logs a table of every rank's timings this often; 0 disables
             (stragglers are warned about at every log step regardless).
     """
@@ -72,6 +75,7 @@ class TrainConfig:
     check_every: int = 100
     on_nonfinite: str = "stop"
     rank_table_every: int = 0
+    collective_timeout: float = 1800.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "log_every", "micro_batch", "epochs", "keep_last"):
@@ -80,6 +84,8 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value} is below 1; use a positive integer")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr {self.lr} must be positive, for example --lr 3e-4")
+        if self.collective_timeout < 0:
+            raise ConfigError(f"--collective-timeout {self.collective_timeout} is below 0; use 0 to disable")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"--on-nonfinite {self.on_nonfinite!r} must be stop or skip")
         for name in ("save_every", "eval_every", "check_every", "rank_table_every"):

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from ddpkit.data.sampler import GlobalBatchSampler
-from ddpkit.diagnostics import check_replicas_agree, check_same_config
+from ddpkit.diagnostics import HangWatchdog, check_replicas_agree, check_same_config
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import DataParallel
@@ -100,6 +100,7 @@ class Trainer:
         self.records: list[dict] = []
         self.clock = StepClock(self.model.module)
         self.skipped_steps = 0
+        self.watchdog: HangWatchdog | _NoWatchdog = _NoWatchdog()
         self.callbacks = [
             ProgressBar(),
             MetricsFile(),
@@ -109,32 +110,47 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         """Run to ``total_steps`` (resuming first if asked); returns the logged records."""
-        # Where a node writes (--out) and how it starts (--resume) may differ between nodes.
-        check_same_config(self.cfg.replace(out="", resume="").to_json(), self.env)
-        checkpointing.maybe_resume(self)
-        self._emit("on_fit_start")
-        window = Window(self.env.device, self.clock)
-        while self.step < self.total_steps:
-            self.step += 1
-            indices, loss_sum = self._run_step()
-            window.add(loss_sum, len(indices))
-            self._emit("on_step_end", self.step, indices)
-            self._after_step(window)
-        self._emit("on_fit_end")
+        with self._watchdog() as watchdog:
+            self.watchdog = watchdog
+            watchdog.phase(self.step, "start-up: config check all_gather_object")
+            # Where a node writes (--out) and how it starts (--resume) may differ between nodes.
+            check_same_config(self.cfg.replace(out="", resume="").to_json(), self.env)
+            watchdog.phase(self.step, "resume: checkpoint choice broadcast and replica check")
+            checkpointing.maybe_resume(self)
+            self._emit("on_fit_start")
+            window = Window(self.env.device, self.clock)
+            while self.step < self.total_steps:
+                self.step += 1
+                watchdog.phase(self.step, "forward/backward: gradient all-reduce")
+                indices, loss_sum = self._run_step()
+                window.add(loss_sum, len(indices))
+                self._emit("on_step_end", self.step, indices)
+                self._after_step(window)
+            self._emit("on_fit_end")
         return self.records
 
+    def _watchdog(self) -> contextlib.AbstractContextManager:
+        if not self.cfg.collective_timeout:
+            return contextlib.nullcontext(_NoWatchdog())
+        report = self.out / "hang-report.txt"
+        return HangWatchdog(self.env, self.cfg.collective_timeout, report_path=report)
+
     def _after_step(self, window: Window) -> None:
-        last = self.step == self.total_steps
-        evals = (
-            self.evaluate() if self._due(self.cfg.eval_every, last) and self.eval_dataset is not None else {}
-        )
+        last, phase = self.step == self.total_steps, self.watchdog.phase
+        evals = {}
+        if self._due(self.cfg.eval_every, last) and self.eval_dataset is not None:
+            phase(self.step, "eval: loss all_reduce")
+            evals = self.evaluate()
         # Step 1 too: the loss before training has moved anything is the reference point.
         if self.step % self.cfg.log_every == 0 or self.step == 1 or last or evals:
+            phase(self.step, "log: loss and timings all_gather")
             self._emit("on_log", self._log(window, evals))
             window.reset()
         if self._due(self.cfg.check_every, last):
+            phase(self.step, "check: replica fingerprint all_gather")
             check_replicas_agree(self.model.module, self.env, f"at step {self.step}", buffers=False)
         if self._due(self.cfg.save_every, last):
+            phase(self.step, "checkpoint: RNG states all_gather_object")
             checkpointing.save(self)
 
     def _due(self, every: int, last: bool) -> bool:
@@ -262,3 +278,10 @@ class Trainer:
     def _emit(self, hook: str, *args: object) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
+
+
+class _NoWatchdog:
+    """Stands in for HangWatchdog when --collective-timeout is 0."""
+
+    def phase(self, step: int, name: str) -> None:
+        pass

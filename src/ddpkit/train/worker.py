@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit.dist import DistEnv, destroy, init_distributed
+from ddpkit.dist.init import DEFAULT_TIMEOUT, release_process_groups
 from ddpkit.launch.orphans import die_with_parent
 from ddpkit.logs import setup_logging
 from ddpkit.train.config import TrainConfig
@@ -32,7 +34,9 @@ def seed_everything(seed: int) -> None:
 
 def train(cfg: TrainConfig) -> None:
     """Join the process group, train, and on rank 0 write the model and report."""
-    env = init_distributed(cfg.backend)
+    # The backend's own timeout comes after the hang report, which explains what it would not.
+    timeout = timedelta(seconds=cfg.collective_timeout + 120) if cfg.collective_timeout else DEFAULT_TIMEOUT
+    env = init_distributed(cfg.backend, timeout=timeout)
     setup_logging(env)
     if env.restart_count > 0:
         # The elastic agent restarted us after a failure: continue from the newest good checkpoint.
@@ -80,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cfg = TrainConfig.from_json(Path(argv[0]).read_text(encoding="utf-8"))
     train(cfg)
+    release_process_groups()  # the trainer is garbage now: free its process group before shutdown
 
 
 if __name__ == "__main__":

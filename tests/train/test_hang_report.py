@@ -1,0 +1,33 @@
+"""A worker frozen with SIGSTOP mid-run: `ddpkit train` names it, shows the others' stacks, and ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from test_restarts import _last_step, _workers
+
+
+def test_frozen_worker_is_reported_and_the_run_ends(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddpkit", "train", "toy", "--nproc", "2", "--steps", "100000", "--log-every", "1",
+           "--global-batch", "8", "--collective-timeout", "3", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while _last_step(out) < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    frozen = max(_workers(proc.pid))  # the newest worker: local rank 1
+    os.kill(frozen, signal.SIGSTOP)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    # The agent SIGKILLs a stopped worker only after its 30 s shutdown grace period.
+    assert time.monotonic() - start < 75
+    report = (out / "hang-report.txt").read_text()
+    assert "rank 1" in report and "no answer" in report
+    assert "stack of rank 0" in report
+    assert "a collective did not complete in time" in err
+    assert not _workers(proc.pid)
