@@ -114,6 +114,8 @@ def prepare_out(cfg: TrainConfig, overwrite: bool) -> None:
             if saved.is_file():
                 check_same_run(TrainConfig.from_json(saved.read_text(encoding="utf-8")), cfg)
             return
+        if just_prepared(out, cfg):
+            return
         if not overwrite:
             raise ConfigError(
                 f"--out {str(out)!r} already holds a run; pass --resume auto to continue it, "
@@ -126,6 +128,14 @@ def prepare_out(cfg: TrainConfig, overwrite: bool) -> None:
             )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+
+
+def just_prepared(out: Path, cfg: TrainConfig) -> bool:
+    """True when another node of this job prepared the shared --out a moment ago (c10d gives
+    every node node_rank 0): the same config, and nothing trained yet."""
+    saved = out / "config.json"
+    started = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
+    return saved.is_file() and saved.read_text(encoding="utf-8") == cfg.to_json() and not started
 
 
 def cmd_train(argv: list[str]) -> int:

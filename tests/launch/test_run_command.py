@@ -51,7 +51,9 @@ FAILING_SCRIPT = textwrap.dedent(
 
 
 def _ddpkit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_plain_torch_ddp_script_runs_on_two_processes(tmp_path):
@@ -83,7 +85,9 @@ def test_missing_script_is_one_line(capsys):
     assert err == "ddpkit: error: script 'no_such_script.py' does not exist; give the path of a Python file"
 
 
-@pytest.mark.parametrize(("flag", "message"), [("0", "--nproc 0 is below 1"), ("many", "--nproc 'many' is not a number")])
+@pytest.mark.parametrize(
+    ("flag", "message"), [("0", "--nproc 0 is below 1"), ("many", "--nproc 'many' is not a number")]
+)
 def test_bad_nproc_is_one_line(capsys, tmp_path, flag, message):
     script = tmp_path / "s.py"
     script.write_text("")

@@ -13,8 +13,25 @@ from test_restarts import _last_step, _workers
 
 def test_frozen_worker_is_reported_and_the_run_ends(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ddpkit", "train", "toy", "--nproc", "2", "--steps", "100000", "--log-every", "1",
-           "--global-batch", "8", "--collective-timeout", "3", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "train",
+        "toy",
+        "--nproc",
+        "2",
+        "--steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--global-batch",
+        "8",
+        "--collective-timeout",
+        "3",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while _last_step(out) < 20 and time.monotonic() < deadline:

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import elastic_launch
 
 from ddpkit.dist import cpu_cores
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.ports import check_port_free
+from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
 
 # The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
 LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
@@ -37,6 +40,18 @@ LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (("--rdzv-endpoint", "--rdzv_endpoint"), {"default": "", "help": "HOST:PORT of the c10d rendezvous"}),
     (("--rdzv-id", "--rdzv_id"), {"default": "none", "help": "job id shared by all nodes"}),
     (("--max-restarts", "--max_restarts"), {"type": int, "default": 0, "help": "restarts before failing"}),
+    (
+        ("--rdzv-conf", "--rdzv_conf"),
+        {
+            "default": "",
+            "help": "rendezvous settings K=V,...: timeout (static), join_timeout, last_call_timeout, "
+            "read_timeout, keep_alive_interval (c10d); seconds",
+        },
+    ),
+    (
+        ("--local-addr", "--local_addr"),
+        {"default": None, "help": "this node's address as the other nodes reach it (c10d)"},
+    ),
     (("--standalone",), {"action": "store_true", "help": "single node, rendezvous on a free local port"}),
 ]
 
@@ -70,6 +85,10 @@ def torchrun_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--master-port", str(ns.master_port)]
     if ns.rdzv_endpoint:
         argv += ["--rdzv-endpoint", ns.rdzv_endpoint]
+    if ns.rdzv_conf:
+        argv += ["--rdzv-conf", ns.rdzv_conf]
+    if ns.local_addr:
+        argv += ["--local-addr", ns.local_addr]
     if ns.standalone:
         argv.append("--standalone")
     return argv
@@ -126,12 +145,33 @@ def nnodes_range(value: str) -> tuple[int, int]:
 def check_launch_args(ns: argparse.Namespace) -> None:
     """Check launch flags in place (``nproc_per_node`` becomes a number) before any process starts."""
     ns.nproc_per_node = str(resolve_nproc(str(ns.nproc_per_node)))
-    nnodes_range(ns.nnodes)
+    low, high = nnodes_range(ns.nnodes)
     if ns.max_restarts < 0:
         raise ConfigError(f"--max-restarts {ns.max_restarts} is below 0; use 0 or more")
+    if ns.rdzv_backend == "static" and not ns.standalone:
+        check_static_nodes(ns.node_rank, low, high)
     hosts_store = ns.rdzv_backend == "static" and not ns.rdzv_endpoint and ns.node_rank == 0
     if ns.master_port is not None and hosts_store and not ns.standalone:
-        check_port_free(ns.master_port)
+        try:
+            check_port_free(ns.master_port)
+        except ConfigError:
+            if high == 1:
+                raise
+            raise node_zero_port_taken(ns.master_port) from None
+
+
+def check_static_nodes(node_rank: int, low: int, high: int) -> None:
+    """A static rendezvous has a fixed node count, and this node's rank must lie in it."""
+    if low != high:
+        raise ConfigError(
+            f"--nnodes {low}:{high} needs --rdzv-backend c10d: a static rendezvous has a fixed node count; "
+            f"use --nnodes {high}, or add --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+        )
+    if not 0 <= node_rank < high:
+        raise ConfigError(
+            f"--node-rank {node_rank} is outside 0 to {high - 1} for --nnodes {high}; "
+            "give each node its own --node-rank in that range"
+        )
 
 
 def check_script(ns: argparse.Namespace) -> None:
@@ -147,16 +187,36 @@ def set_thread_default(nproc: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
 
 
+def launch_agent(ns: argparse.Namespace) -> None:
+    """``torchrun.run(ns)``, with multi-node rendezvous through ddpkit's checked variants.
+
+    The same steps as torchrun's ``run``: a single node without an address gets a private c10d
+    rendezvous on a free local port; otherwise static and c10d are swapped for the variants in
+    ``ddpkit.launch.rendezvous``, which turn bad multi-node input into one-line errors.
+    """
+    _, high = nnodes_range(ns.nnodes)
+    single = ns.rdzv_backend == "static" and not ns.rdzv_endpoint and ns.master_port is None and high == 1
+    if ns.standalone or single:
+        ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if ns.master_port is None:
+        ns.master_port = 29500  # torchrun's default; only the static rendezvous uses it
+    config, entrypoint, args = torchrun.config_from_args(ns)
+    if not (ns.standalone or single):
+        config.rdzv_backend = checked_backend(config.rdzv_backend)
+    elastic_launch(config, entrypoint)(*args)
+
+
 def run_elastic(ns: argparse.Namespace) -> None:
     """Start the workers under torchrun's elastic agent and wait for them.
 
     Raises:
-        ConfigError: a bad flag, found before anything starts.
+        ConfigError: a bad flag, found before anything starts, or bad multi-node input found at
+            the rendezvous (see ``ddpkit.launch.rendezvous``).
         WorkerFailure: a worker failed (after any restarts); the message names the rank.
     """
     check_launch_args(ns)
     set_thread_default(int(ns.nproc_per_node))
     try:
-        torchrun.run(ns)
+        launch_agent(ns)
     except ChildFailedError as exc:
         raise WorkerFailure.from_child_failed(exc) from None

@@ -38,8 +38,10 @@ def train(cfg: TrainConfig) -> None:
     timeout = timedelta(seconds=cfg.collective_timeout + 120) if cfg.collective_timeout else DEFAULT_TIMEOUT
     env = init_distributed(cfg.backend, timeout=timeout)
     setup_logging(env)
-    if env.restart_count > 0:
-        # The elastic agent restarted us after a failure: continue from the newest good checkpoint.
+    if env.restart_count > 0 or has_checkpoints(cfg):
+        # The elastic agent restarted us (after a failure, or for a membership change, which it
+        # does not count as a restart); the launcher made sure --out was fresh when the job began,
+        # so any checkpoint there is this run's: continue from the newest good one.
         cfg = cfg.replace(resume="auto")
     try:
         seed_everything(cfg.seed)
@@ -50,6 +52,11 @@ def train(cfg: TrainConfig) -> None:
             finish(cfg, job, trainer.model.module, records, env)
     finally:
         destroy()
+
+
+def has_checkpoints(cfg: TrainConfig) -> bool:
+    folder = Path(cfg.out) / "checkpoints"
+    return folder.is_dir() and any(folder.glob("step-*"))
 
 
 def finish(cfg: TrainConfig, job: Job, model: torch.nn.Module, records: list[dict], env: DistEnv) -> None:
