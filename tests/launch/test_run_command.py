@@ -14,7 +14,7 @@ from ddpkit.cli import main
 
 PLAIN_DDP_SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import gc, json, os, sys
     import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -29,6 +29,10 @@ PLAIN_DDP_SCRIPT = textwrap.dedent(
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump({"world": world, "local_rank": int(os.environ["LOCAL_RANK"]), "params": flat.tolist()}, f)
+    # torch 2.13 can abort at exit when a DDP model outlives its process group into interpreter
+    # shutdown (gloo threads torn down late); freeing it first is good practice in any DDP script.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
     """
 )
