@@ -37,7 +37,7 @@ USAGE = """usage: ddpkit COMMAND [ARGS]
 commands:
   train [WORKLOAD]   train a built-in workload (gpt, convnet, toy) on every process
   run SCRIPT         launch a script on every process, exactly like torchrun
-  bench KIND         benchmarks: engine, comm, scaling
+  bench KIND         benchmarks: engine, comm, scaling, trainer
   report OUT         summarize a run and plot OUT/report.png
   inspect PATH       show and verify what a checkpoint holds
 

@@ -105,10 +105,6 @@ def _rank(workload: str, global_batch: int, blocks: int, block: int, out: str) -
         ddpkit.destroy()
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def main(argv: list[str]) -> int:
     parser = OneLineParser(prog="ddpkit bench trainer", description=__doc__.split("\n")[0])
     parser.add_argument("workload", nargs="?", default="gpt")
@@ -128,9 +124,9 @@ def main(argv: list[str]) -> int:
         "nproc": ns.nproc,
         "global_batch": ns.global_batch,
         "steps": len(hand),
-        "hand_median_ms": 1e3 * _median(hand),
-        "trainer_median_ms": 1e3 * _median(trainer),
-        "ratio": _median(trainer) / _median(hand),
+        "hand_median_ms": 1e3 * statistics.median(hand),
+        "trainer_median_ms": 1e3 * statistics.median(trainer),
+        "ratio": statistics.median(trainer) / statistics.median(hand),
     }
     print(
         f"# ddpkit bench trainer: {ns.workload}, {ns.nproc} processes, global batch {ns.global_batch}, "
