@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,25 @@ def _run_and_kill(out, nproc: int, after_step: int, *extra: str) -> int:
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # torchrun gives workers sessions of their own; they must die with the launcher, not run on.
+    assert _orphans_gone(out), "workers outlived their killed launcher"
     return _last_step(out)
+
+
+def _orphans_gone(out, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if str(out).encode() in cmdline.read_bytes():
+                    alive.append(cmdline)
+            except OSError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _model(out) -> dict:

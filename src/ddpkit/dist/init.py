@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -87,6 +88,9 @@ def init_distributed(
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, cpu_cores() // local_world_size))
     _init_group(chosen, init_method or found.init_method, rank, world_size, timeout)
+    # Once per process (unregister first, so repeated inits do not stack up handlers).
+    atexit.unregister(release_process_groups)
+    atexit.register(release_process_groups)
     env = DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -155,14 +159,14 @@ def destroy() -> None:
     """Leave the process group; safe to call twice or when none was created."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    release_process_groups()
 
 
 def release_process_groups() -> None:
-    """Free unreachable objects that still hold a process group (a DDP model in a reference cycle).
+    """At exit: free unreachable objects that still hold a process group (a DDP model in a cycle).
 
     Otherwise the group's gloo threads are torn down during interpreter shutdown, which can
     abort the process ("terminate called without an active exception", SIGABRT) after a run that
-    finished well. Collecting now, while the interpreter is alive, closes them cleanly.
+    finished well. ``init_distributed`` registers this with atexit, which runs while the
+    interpreter is still alive, so every script, launcher child and worker gets it.
     """
     gc.collect()

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from ddpkit.dist.init import release_process_groups
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LaunchError, is_peer_failure
 from ddpkit.launch.ports import free_port
@@ -89,7 +88,6 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, por
         raise
     with open(Path(results) / f"rank{local_rank}.pkl", "wb") as f:
         pickle.dump(result, f)
-    release_process_groups()
 
 
 def _load_result(results: Path, rank: int) -> Any:

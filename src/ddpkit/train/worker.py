@@ -16,7 +16,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit.dist import DistEnv, destroy, init_distributed
-from ddpkit.dist.init import DEFAULT_TIMEOUT, release_process_groups
+from ddpkit.dist.init import DEFAULT_TIMEOUT
 from ddpkit.launch.orphans import die_with_parent
 from ddpkit.logs import setup_logging
 from ddpkit.train.config import TrainConfig
@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cfg = TrainConfig.from_json(Path(argv[0]).read_text(encoding="utf-8"))
     train(cfg)
-    release_process_groups()  # the trainer is garbage now: free its process group before shutdown
 
 
 if __name__ == "__main__":
