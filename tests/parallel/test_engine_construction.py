@@ -3,12 +3,16 @@ ranks with different initial values start from rank 0's."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers import run_ranks
 from torch import nn
 
 from ddpkit import ConfigError, DataParallel
+from ddpkit.diagnostics import oversubscription
+from ddpkit.dist import cpu_cores
 from ddpkit.parallel.sync import first_difference, param_signature
 
 
@@ -18,6 +22,28 @@ def _wrap_catching(model: nn.Module) -> str:
     except ConfigError as exc:
         return str(exc)
     return "no error"
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _warnings_when_wrapping(threads: int) -> list[str]:
+    """The ddpkit warnings DataParallel logs when built with ``threads`` intra-op threads."""
+    before, collect, logger = torch.get_num_threads(), _Collect(), logging.getLogger("ddpkit")
+    torch.set_num_threads(threads)
+    logger.addHandler(collect)
+    try:
+        DataParallel(nn.Linear(2, 2))
+    finally:
+        logger.removeHandler(collect)
+        torch.set_num_threads(before)
+    return collect.messages
 
 
 def _construct(env) -> dict:
@@ -30,6 +56,8 @@ def _construct(env) -> dict:
         "shape": _wrap_catching(nn.Sequential(nn.Linear(4, wide))),
         "count": _wrap_catching(nn.Sequential(*[nn.Linear(4, 4) for _ in range(1 + env.rank)])),
         "state": [t.clone() for t in [*wrapped.module.parameters(), *wrapped.module.buffers()]],
+        "one_thread": _warnings_when_wrapping(1),
+        "all_cores": _warnings_when_wrapping(max(2, cpu_cores())),  # 2 processes x every core each
     }
 
 
@@ -53,6 +81,25 @@ def test_parameter_count_mismatch_names_the_first_extra(results) -> None:
 def test_parameters_and_buffers_start_from_rank_0(results) -> None:
     for ours, theirs in zip(results[0]["state"], results[1]["state"], strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_oversubscribed_cpu_is_warned_about_with_the_fix(results) -> None:
+    cores = cpu_cores()
+    for rank, result in enumerate(results):
+        assert len(result["all_cores"]) == 1
+        message = result["all_cores"][0]
+        assert message.startswith(f"rank {rank}: 2 processes on this host x {max(2, cores)} threads each")
+        assert f"torch.set_num_threads({max(1, cores // 2)})" in message
+        assert result["one_thread"] == []
+
+
+def test_oversubscription_rule() -> None:
+    assert oversubscription(threads=1, local_processes=2, cores=2) is None
+    assert oversubscription(threads=4, local_processes=4, cores=16) is None
+    assert oversubscription(threads=1, local_processes=4, cores=2) is None  # nothing to lower
+    message = oversubscription(threads=2, local_processes=2, cores=2)
+    assert "4 compute threads on 2 CPU cores" in message and "torch.set_num_threads(1)" in message
+    assert "torch.set_num_threads(3)" in oversubscription(threads=8, local_processes=2, cores=6)
 
 
 def test_first_difference_spots_dtype_and_requires_grad() -> None:

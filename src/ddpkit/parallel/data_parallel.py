@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ddpkit.diagnostics.threads import warn_if_oversubscribed
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.compression import CommHook, make_hook
 from ddpkit.parallel.join import DataParallelJoinHook, agree_on_rank, agree_to_sync
@@ -55,6 +56,8 @@ class DataParallel(nn.Module, Joinable):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.broadcast_buffers = broadcast_buffers
         verify_same_params(module, self.process_group)
+        on_cpu = any(p.device.type == "cpu" for p in module.parameters())
+        warn_if_oversubscribed(self.process_group, on_cpu=on_cpu)  # the usual cause of slow CPU DDP
         # Replicas must start identical; rank 0's initialization wins.
         broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.process_group, 0)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
