@@ -12,6 +12,9 @@ drifts between rounds on a shared machine cancels out. Engines:
 A step's time is the slowest rank's (steps start at a barrier); CPU time counts all threads.
 Bytes and collectives per step come from torch.profiler's gloo events in one extra step; peak
 RSS from separate short runs, one per engine (a process's peak covers all it ever held).
+``--threads`` overrides ddpkit's one-share-of-the-cores per process: ``--threads 2`` with 2
+processes on 2 cores is what a tutorial script started with mp.spawn runs (torch's default).
+The arithmetic and the targets are in ``engine_summary``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import argparse
 import copy
 import json
 import resource
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.bench.engine_summary import format_table, format_targets, summarize
 from ddpkit.dist import cpu_cores, destroy, init_distributed
 from ddpkit.errors import ConfigError
 from ddpkit.launch import launch
@@ -41,7 +44,7 @@ from ddpkit.parallel import DataParallel
 ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd")
 DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
 VOCAB = 128
-_FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head")
+_FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head", "threads")
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
@@ -59,6 +62,7 @@ class EngineBenchConfig:
         blocks: rounds; in each, every engine runs one block of steps.
         steps_per_block: timed steps per engine per round.
         warmup: untimed steps per engine first (buckets are rebuilt after the first).
+        threads: intra-op threads per process; 0 keeps ddpkit's share (cores // processes).
     """
 
     engines: tuple[str, ...] = tuple(DEFAULT_ENGINES.split(","))
@@ -70,6 +74,7 @@ class EngineBenchConfig:
     blocks: int = 12
     steps_per_block: int = 2
     warmup: int = 2
+    threads: int = 0
 
     def __post_init__(self) -> None:
         unknown = [e for e in self.engines if e not in ENGINES]
@@ -82,6 +87,8 @@ class EngineBenchConfig:
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
                 raise ConfigError(f"{flag} {getattr(self, name)} is below 1; use a positive integer")
+        if self.threads < 0:
+            raise ConfigError(f"--threads {self.threads} is negative; use 0 (ddpkit's share) or a count")
 
     def gpt(self) -> GPT:
         """The benchmark's model, initialized from the current torch seed."""
@@ -108,6 +115,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y:
 
 
 def _setup(cfg: EngineBenchConfig, rank: int, names: tuple[str, ...]):
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)  # before DataParallel, which warns if oversubscribed
     torch.manual_seed(0)
     base = cfg.gpt()
     gen = torch.Generator().manual_seed(1000 + rank)  # data differs by rank, not by engine
@@ -187,76 +196,6 @@ def _memory_rank(cfg: EngineBenchConfig, name: str) -> float:
         destroy()
 
 
-def _job_rounds(ranks: list[dict], name: str) -> list[list[float]]:
-    """Per round, each step's time on the slowest rank (solo: rank 0's only)."""
-    per_rank = [r["rounds"][name] for r in ranks if any(r["rounds"][name])]
-    return [[max(step) for step in zip(*blocks, strict=True)] for blocks in zip(*per_rank, strict=True)]
-
-
-def _cpu_per_step(ranks: list[dict], name: str) -> float:
-    """CPU seconds per step, averaged over the ranks that trained (solo: rank 0)."""
-    per_rank = [(r["spent"][name][0], sum(map(len, r["rounds"][name]))) for r in ranks]
-    return statistics.mean(cpu / steps for cpu, steps in per_rank if steps)
-
-
-def _row(ranks: list[dict], name: str, rss: list[float] | None) -> dict:
-    job = _job_rounds(ranks, name)
-    steps = [t for block in job for t in block]
-    calls, nbytes = ranks[0]["comm"].get(name, (0, 0))
-    return {
-        "median_ms": 1e3 * statistics.median(steps),
-        "p90_ms": 1e3 * (statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else steps[0]),
-        "cpu_ms_per_step": 1e3 * _cpu_per_step(ranks, name),
-        "round_medians_ms": [1e3 * statistics.median(block) for block in job],
-        "collectives_per_step": calls,
-        "bytes_per_step": nbytes,
-        "peak_rss_mb": rss,
-    }
-
-
-def _paired(rows: dict[str, dict], name: str, base: str) -> float:
-    # Engines that ran in the same round saw the same machine load; the median of per-round
-    # ratios cancels the load that drifts between rounds.
-    pairs = zip(rows[name]["round_medians_ms"], rows[base]["round_medians_ms"], strict=True)
-    return statistics.median(a / b for a, b in pairs)
-
-
-def summarize(timed: dict, rss: dict[str, list[float]]) -> dict:
-    """Per-engine medians, p90s, ratios to torch, scaling efficiency, CPU, traffic and peak RSS."""
-    ranks = timed["ranks"]
-    rows = {name: _row(ranks, name, rss.get(name)) for name in ranks[0]["rounds"]}
-    for name, row in rows.items():
-        if "torch" in rows:
-            row["vs_torch"] = _paired(rows, name, "torch")
-            row["vs_torch_of_medians"] = row["median_ms"] / rows["torch"]["median_ms"]
-        if "solo" in rows and name != "solo":
-            # throughput at N processes over N times one process's (same per-process batch)
-            row["scaling_efficiency"] = 1 / _paired(rows, name, "solo")
-    waiting = ranks[-1]["spent"].get("solo", (0.0, 0.0))  # the last rank waits out `solo`
-    # ~0 when the ranks waiting out `solo` really leave the machine to rank 0
-    idle = waiting[0] / waiting[1] if waiting[1] and len(ranks) > 1 else None
-    about = {"params": timed["params"], "threads_per_rank": timed["threads"], "nproc": timed["nproc"]}
-    return {"engines": rows, **about, "solo_idle_rank_cpu_fraction": idle}
-
-
-def format_table(summary: dict) -> str:
-    """The summary as a fixed-width table, one row per engine."""
-    lines = [
-        f"{'engine':<13}{'median ms':>10}{'p90 ms':>8}{'/torch':>8}{'scaling':>8}{'CPU ms':>8}"
-        f"{'MB/step':>8}{'calls':>6}  peak RSS MB per rank"
-    ]
-    for name, row in summary["engines"].items():
-        rss = " ".join(f"{v:.0f}" for v in row["peak_rss_mb"]) if row["peak_rss_mb"] else "-"
-        ratio = f"{row['vs_torch']:.3f}" if "vs_torch" in row else "-"
-        scaling = f"{row['scaling_efficiency']:.2f}" if "scaling_efficiency" in row else "-"
-        lines.append(
-            f"{name:<13}{row['median_ms']:>10.1f}{row['p90_ms']:>8.1f}{ratio:>8}{scaling:>8}"
-            f"{row['cpu_ms_per_step']:>8.1f}{row['bytes_per_step'] / 1e6:>8.1f}"
-            f"{row['collectives_per_step']:>6}  {rss}"
-        )
-    return "\n".join(lines)
-
-
 def parser() -> argparse.ArgumentParser:
     """The ``ddpkit bench engine`` command line."""
     from ddpkit.cli import OneLineParser  # the CLI imports benchmarks lazily, so no cycle
@@ -294,6 +233,7 @@ def main(argv: list[str]) -> int:
         "per engine; /torch and scaling are medians of per-round ratios"
     )
     print(format_table(summary))
+    print(format_targets(summary["targets"]))
     if ns.json:
         ns.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return 0

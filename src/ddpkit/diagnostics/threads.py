@@ -51,7 +51,9 @@ def local_processes(process_group: dist.ProcessGroup | None = None) -> int:
     return hosts.count(socket.gethostname())
 
 
-def warn_if_oversubscribed(process_group: dist.ProcessGroup | None = None, *, on_cpu: bool = True) -> str | None:
+def warn_if_oversubscribed(
+    process_group: dist.ProcessGroup | None = None, *, on_cpu: bool = True
+) -> str | None:
     """Log a warning when this host runs more compute threads than it has cores; return it.
 
     A collective: every rank of ``process_group`` must call it, whatever its ``on_cpu``.
