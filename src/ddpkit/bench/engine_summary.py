@@ -109,7 +109,7 @@ def format_targets(found: list[dict]) -> str:
     for t in found:
         if "limit" not in t:  # peak RSS
             value = f"{t['measured'][0]:.0f} vs {t['measured'][1]:.0f} MB"
-            lines.append(f"target {t['target']:<28} {value:>16}  {'met' if t['met'] else 'missed'}")
+            lines.append(f"target {t['target']:<28} {value:>22}  {'met' if t['met'] else 'missed'}")
             continue
         low, high = t["interval90"] or (t["measured"], t["measured"])
         value = f"{t['measured']:.3f} [{low:.3f}, {high:.3f}]"
@@ -121,7 +121,7 @@ def format_targets(found: list[dict]) -> str:
             )
         elif low <= t["limit"] < high:
             verdict += " within noise: the 90% interval of the median holds the limit"
-        lines.append(f"target {t['target']:<28} {value:>16}  {verdict}")
+        lines.append(f"target {t['target']:<28} {value:>22}  {verdict}")
     return "\n".join(lines)
 
 
