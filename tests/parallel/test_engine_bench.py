@@ -71,7 +71,7 @@ def test_a_missed_target_above_the_floor_is_missed_or_within_noise() -> None:
     rows["native"]["vs_torch_interval90"] = (0.99, 1.03)
     text = engine_summary.format_targets(engine_summary.targets(rows))
     assert text.endswith(
-        "1.020 [0.990, 1.030]  missed within noise: the 90% interval of the median holds the limit"
+        "1.020 [0.990, 1.030]  missed, within noise: the 90% interval of the median holds the limit"
     )
 
 

@@ -10,6 +10,7 @@ from torch import nn
 import ddpkit
 from ddpkit import ConfigError, DataParallel
 from ddpkit.parallel import FIRST_BUCKET_BYTES, allreduce_hook, assign_buckets, make_hook
+from ddpkit.parallel.data_parallel import default_first_bucket_mb
 
 
 @pytest.fixture
@@ -135,6 +136,8 @@ def test_missing_gradient_names_the_parameter_at_the_next_forward(world_of_one) 
 def test_bad_arguments_are_config_errors(world_of_one) -> None:
     with pytest.raises(ConfigError, match="bucket_cap_mb 0"):
         DataParallel(nn.Linear(2, 2), bucket_cap_mb=0)
+    with pytest.raises(ConfigError, match="first_bucket_mb -1 must be positive"):
+        DataParallel(nn.Linear(2, 2), first_bucket_mb=-1)
     with pytest.raises(ConfigError, match="no parameter that requires grad"):
         DataParallel(nn.Linear(2, 2).requires_grad_(False))
     with pytest.raises(ConfigError, match="'emb' makes them"):
@@ -150,3 +153,25 @@ def test_needs_a_process_group() -> None:
 
 def test_first_bucket_is_one_mebibyte() -> None:
     assert FIRST_BUCKET_BYTES == 1024 * 1024
+
+
+def _sizes_mb(model: DataParallel) -> list[float]:
+    return [round(b.nbytes / 2**20, 2) for b in model.reducer.buckets]
+
+
+def test_on_cpu_one_bucket_up_to_the_cap_unless_a_first_size_is_given(world_of_one) -> None:
+    def three_mib() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(3)])  # 1 MiB each
+
+    assert _sizes_mb(DataParallel(three_mib())) == [3.0]  # CPU: no small buckets, one collective
+    assert _sizes_mb(DataParallel(three_mib(), bucket_cap_mb=2)) == [2.0, 1.0]
+    # torch DDP's layout on request: a 1 MiB first bucket, then the rest, then a 1 MiB last one
+    assert _sizes_mb(DataParallel(three_mib(), first_bucket_mb=1)) == [1.0, 1.0, 1.0]
+    assert _sizes_mb(DataParallel(three_mib(), first_bucket_mb=0.5)) == [1.0, 1.0, 1.0]
+
+
+def test_accelerator_parameters_keep_the_small_first_bucket() -> None:
+    meta = nn.Linear(2, 2, device="meta")  # any non-CPU device takes the GPU default
+    assert default_first_bucket_mb(meta, 25, None) == 1.0
+    assert default_first_bucket_mb(nn.Linear(2, 2), 25, None) == 25
+    assert default_first_bucket_mb(meta, 25, 4) == 4

@@ -8,6 +8,8 @@ drifts between rounds on a shared machine cancels out. Engines:
   none          every rank trains its own copy without communication: the upper bound
   torch         torch.nn.parallel.DistributedDataParallel
   native        ddpkit.DataParallel; native+bf16, native+fp16, native+powersgd compress
+  native@1mib   native with torch DDP's bucket layout (a 1 MiB first bucket, overlapping
+                backward), instead of the CPU default of one bucket
 
 A step's time is the slowest rank's (steps start at a barrier); CPU time counts all threads.
 Bytes and collectives per step come from torch.profiler's gloo events in one extra step; peak
@@ -41,7 +43,7 @@ from ddpkit.launch.elastic import resolve_nproc
 from ddpkit.models import GPT, GPTConfig
 from ddpkit.parallel import DataParallel
 
-ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd")
+ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd", "native@1mib")
 DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
 VOCAB = 128
 _FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head", "threads")
@@ -102,6 +104,8 @@ def wrap(name: str, model: nn.Module) -> nn.Module:
         return model
     if name == "torch":
         return DistributedDataParallel(model)
+    if name == "native@1mib":
+        return DataParallel(model, first_bucket_mb=1)
     compression = name.partition("+")[2] or None
     return DataParallel(model, compression=compression)
 

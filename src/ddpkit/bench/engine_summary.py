@@ -120,7 +120,7 @@ def format_targets(found: list[dict]) -> str:
                 "communication), so no engine can reach it on this machine"
             )
         elif low <= t["limit"] < high:
-            verdict += " within noise: the 90% interval of the median holds the limit"
+            verdict += ", within noise: the 90% interval of the median holds the limit"
         lines.append(f"target {t['target']:<28} {value:>22}  {verdict}")
     return "\n".join(lines)
 

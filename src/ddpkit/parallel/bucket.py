@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 # Gradients arrive roughly in reverse registration order, so the first bucket holds the last
 # layers; keeping it small lets its all-reduce start early in backward. 1 MiB is torch DDP's value.
+# DataParallel uses it where that overlap pays: on GPUs, not on a CPU whose cores run backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 

@@ -13,6 +13,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit.diagnostics.threads import warn_if_oversubscribed
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES
 from ddpkit.parallel.compression import CommHook, make_hook
 from ddpkit.parallel.join import DataParallelJoinHook, agree_on_rank, agree_to_sync
 from ddpkit.parallel.reducer import Reducer
@@ -30,7 +31,13 @@ class DataParallel(nn.Module, Joinable):
     Args:
         module: the model, already on this rank's device(s); the same model on every rank.
         process_group: ranks that average gradients; the default group when None.
-        bucket_cap_mb: bucket size in MiB at which a bucket is closed; the first is 1 MiB.
+        bucket_cap_mb: bucket size in MiB at which a bucket is closed.
+        first_bucket_mb: size of the first bucket (and of a last one as small). None picks by
+            device: 1 MiB on GPUs, where an early small all-reduce overlaps with backward; on the
+            CPU, bucket_cap_mb (no small buckets), because gloo's copies and sums run on the cores
+            backward is already using: overlap moves that work rather than hiding it, and each
+            extra collective costs CPU time (on the benchmark GPT, one bucket instead of 1 MiB +
+            rest + 1 MiB took native from 0.994 to 0.978 of torch DDP's step).
         find_unused_parameters: after each forward, find the parameters the loss cannot reach
             and reduce zeros for them instead of waiting for gradients that never come.
         broadcast_buffers: copy rank 0's buffers (BatchNorm running statistics) to every rank
@@ -45,13 +52,14 @@ class DataParallel(nn.Module, Joinable):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25,
+        first_bucket_mb: float | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         compression: str | CommHook | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        _check_args(module, bucket_cap_mb)
+        _check_args(module, bucket_cap_mb, first_bucket_mb)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.broadcast_buffers = broadcast_buffers
@@ -66,6 +74,9 @@ class DataParallel(nn.Module, Joinable):
             self.process_group,
             make_hook(compression),
             bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
+            first_bucket_bytes=int(
+                default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 1024 * 1024
+            ),
             find_unused_parameters=find_unused_parameters,
         )
         # nanoGPT-style code toggles this attribute directly; no_sync() is the polite way.
@@ -139,13 +150,26 @@ class DataParallel(nn.Module, Joinable):
         return self.process_group
 
 
-def _check_args(module: nn.Module, bucket_cap_mb: float) -> None:
+def default_first_bucket_mb(module: nn.Module, bucket_cap_mb: float, first_bucket_mb: float | None) -> float:
+    """``first_bucket_mb`` as given, or by device: bucket_cap_mb when every parameter is on the CPU."""
+    if first_bucket_mb is not None:
+        return first_bucket_mb
+    if all(p.device.type == "cpu" for p in module.parameters()):
+        return bucket_cap_mb
+    return FIRST_BUCKET_BYTES / (1024 * 1024)
+
+
+def _check_args(module: nn.Module, bucket_cap_mb: float, first_bucket_mb: float | None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "DataParallel needs a process group; call ddpkit.init_distributed() before wrapping the model"
         )
     if not bucket_cap_mb > 0:
         raise ConfigError(f"bucket_cap_mb {bucket_cap_mb} must be positive, for example bucket_cap_mb=25")
+    if first_bucket_mb is not None and not first_bucket_mb > 0:
+        raise ConfigError(
+            f"first_bucket_mb {first_bucket_mb} must be positive (or None to pick by device), for example 1"
+        )
     sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
     if sparse:
         raise ConfigError(
