@@ -36,8 +36,8 @@ class DataParallel(nn.Module, Joinable):
             device: 1 MiB on GPUs, where an early small all-reduce overlaps with backward; on the
             CPU, bucket_cap_mb (no small buckets), because gloo's copies and sums run on the cores
             backward is already using: overlap moves that work rather than hiding it, and each
-            extra collective costs CPU time (on the benchmark GPT, one bucket instead of 1 MiB +
-            rest + 1 MiB took native from 0.994 to 0.978 of torch DDP's step).
+            extra collective costs CPU time (``ddpkit bench engine --engines torch,native,native@1mib``:
+            one bucket 0.991 and 0.978 of torch DDP's step in two runs, torch's layout 0.995 and 0.994).
         find_unused_parameters: after each forward, find the parameters the loss cannot reach
             and reduce zeros for them instead of waiting for gradients that never come.
         broadcast_buffers: copy rank 0's buffers (BatchNorm running statistics) to every rank
