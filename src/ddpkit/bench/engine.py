@@ -47,6 +47,7 @@ ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "nat
 DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
 VOCAB = 128
 _FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head", "threads")
+_HELP = {"threads": "intra-op threads per process; default 0: cores // nproc, as ddpkit sets them"}
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
@@ -209,7 +210,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, from {', '.join(ENGINES)}")
     for name in _FLAGS:
         default = getattr(EngineBenchConfig(), name)
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"default {default}")
+        text = _HELP.get(name, f"default {default}")
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=text)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     p.add_argument("--json", type=Path, help="write the summary to this file")
     return p
