@@ -4,6 +4,7 @@ from ddpkit.dist import DistEnv, destroy, init_distributed
 from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
+from ddpkit.run import Run
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,7 @@ __all__ = [
     "DataParallel",
     "DistEnv",
     "LaunchError",
+    "Run",
     "__version__",
     "destroy",
     "init_distributed",

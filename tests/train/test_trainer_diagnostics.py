@@ -58,8 +58,14 @@ def test_straggler_shows_in_per_rank_timings(tmp_path):
 
 def test_straggler_rule():
     rows = [{"rank": r, "data_s": 0.0, "compute_s": c, "comm_wait_s": 0.0} for r, c in enumerate([1, 1.1, 2])]
-    assert stragglers(rows) == [(2, pytest.approx(2 / 1.1))]
+    assert stragglers(rows) == [(2, pytest.approx(2 / 1.05))]  # against the others' median
     assert stragglers([{**row, "compute_s": 0.0} for row in rows]) == []
+    # Two ranks, one 30x slower: the factor is 30, not the 1.9 a median over both would give.
+    two = [{"rank": r, "data_s": 0.0, "compute_s": c, "comm_wait_s": 0.0} for r, c in enumerate([0.1, 3.0])]
+    assert stragglers(two) == [(1, pytest.approx(30.0))]
+    # A 2x ratio on sub-millisecond windows is scheduling noise, not a straggler.
+    tiny = [{**row, "compute_s": row["compute_s"] / 1000} for row in two]
+    assert stragglers(tiny) == []
 
 
 def _nan_run(env, out: str, on_nonfinite: str) -> tuple[int, bool]:

@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 _AT_FDCWD = -100  # Linux: resolve relative paths against the working directory
 _RENAME_EXCHANGE = 2  # from <linux/fs.h>
 
@@ -70,3 +72,21 @@ def exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def save_weights(state: dict, path: Path) -> None:
+    """Write a plain state_dict (CPU tensors) atomically: a crash mid-write leaves the old file.
+
+    The result loads with ``torch.load(path, weights_only=True)``; the temporary file is removed
+    if the write fails (a full disk), so nothing half-written is left beside the old one.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

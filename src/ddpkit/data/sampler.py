@@ -80,13 +80,34 @@ class GlobalBatchSampler:
 
     def next_global_batch(self) -> list[int]:
         """Dataset indices of the whole next global batch (every rank computes the same list)."""
-        if self._epoch_done():
-            self.state = SamplerState(epoch=self.state.epoch + 1)
-            self._order = None
+        self._roll_over()
         start = self.state.consumed
         batch = self._epoch_order()[start : start + self.global_batch].tolist()
         self.state.consumed += len(batch)
         return batch
+
+    def epoch_batches(self) -> list[list[int]]:
+        """The global batches left in the current epoch (the next epoch's, once this one is done).
+
+        Reads the state without advancing it: a loader that prefetches calls this once per epoch
+        and moves the state with ``advance_to`` only as steps are really taken.
+        """
+        self._roll_over()
+        order, start = self._epoch_order(), self.state.consumed
+        stop = self.num_samples
+        if self.drop_last:
+            stop = start + (self.num_samples - start) // self.global_batch * self.global_batch
+        return [order[i : min(i + self.global_batch, stop)].tolist() for i in range(start, stop, self.global_batch)]
+
+    def advance_to(self, consumed: int) -> None:
+        """Record that the world has taken ``consumed`` samples of this epoch (rolls over at its end)."""
+        self.state.consumed = consumed
+        self._roll_over()
+
+    def _roll_over(self) -> None:
+        if self._epoch_done():
+            self.state = SamplerState(epoch=self.state.epoch + 1)
+            self._order = None
 
     def rank_slice(self, batch: list[int]) -> list[int]:
         """This rank's contiguous share of a global batch; shares differ by at most one sample."""

@@ -23,7 +23,8 @@ from ddpkit.dist import DistEnv
 log = logging.getLogger(__name__)
 
 FIELDS = ("data_s", "compute_s", "comm_wait_s")
-STRAGGLER_RATIO = 1.5  # a rank whose data + compute exceeds this times the median is named
+STRAGGLER_RATIO = 1.5  # a rank whose data + compute exceeds this times the others' median is named
+MIN_EXCESS_S = 0.05  # ... by at least this many seconds in the window: less is noise, not a straggler
 
 
 class StepClock:
@@ -90,13 +91,22 @@ class Window:
         return loss_sum / max(samples, 1), samples, ranks
 
 
-def stragglers(ranks: list[dict], ratio: float = STRAGGLER_RATIO) -> list[tuple[int, float]]:
-    """Ranks whose own work (data + compute) exceeds ``ratio`` times the median, with their factor."""
+def stragglers(
+    ranks: list[dict], ratio: float = STRAGGLER_RATIO, min_excess_s: float = MIN_EXCESS_S
+) -> list[tuple[int, float]]:
+    """Ranks whose own work (data + compute) exceeds ``ratio`` times the median of the other ranks.
+
+    Against the others' median, not everyone's: with 2 ranks the median includes the slow rank
+    itself and no factor could ever reach 2x. Excesses under ``min_excess_s`` are scheduling noise.
+    """
     work = [r["data_s"] + r["compute_s"] for r in ranks]
-    median = statistics.median(work)
-    if median <= 0:
-        return []
-    return [(r["rank"], w / median) for r, w in zip(ranks, work, strict=True) if w > ratio * median]
+    slow = []
+    for i, (row, mine) in enumerate(zip(ranks, work, strict=True)):
+        others = work[:i] + work[i + 1 :]
+        median = statistics.median(others) if others else 0.0
+        if median > 0 and mine > ratio * median and mine - median >= min_excess_s:
+            slow.append((row["rank"], mine / median))
+    return slow
 
 
 def rank_table(step: int, ranks: list[dict]) -> str:

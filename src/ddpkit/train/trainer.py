@@ -252,7 +252,7 @@ class Trainer:
             log.info("%s", rank_table(self.step, ranks))
         for rank, factor in stragglers(ranks):
             log.warning(
-                "step %d: rank %d is a straggler: its data + compute took %.1fx the median rank's",
+                "step %d: rank %d is a straggler: its data + compute took %.1fx the other ranks' median",
                 self.step,
                 rank,
                 factor,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpkit.checkpoint.files import save_weights
 from ddpkit.dist import DistEnv, destroy, init_distributed
 from ddpkit.dist.init import DEFAULT_TIMEOUT
 from ddpkit.launch.orphans import die_with_parent
@@ -62,7 +63,7 @@ def has_checkpoints(cfg: TrainConfig) -> bool:
 def finish(cfg: TrainConfig, job: Job, model: torch.nn.Module, records: list[dict], env: DistEnv) -> None:
     """Rank 0: write model.pt and loss.png, print the summary and the workload's sample."""
     out = Path(cfg.out)
-    save_state_dict(model.state_dict(), out / "model.pt")
+    save_weights(model.state_dict(), out / "model.pt")
     logged = [r for r in records if "loss" in r]
     if logged:
         plot_loss(logged, out / "loss.png", title=f"{cfg.workload}: training loss")
@@ -76,13 +77,6 @@ def finish(cfg: TrainConfig, job: Job, model: torch.nn.Module, records: list[dic
     if text is not None:
         print(f"--- sample ---\n{text}\n--------------", flush=True)
         (out / "sample.txt").write_text(text, encoding="utf-8")
-
-
-def save_state_dict(state: dict, path: Path) -> None:
-    """Write atomically: a crash mid-write leaves the old file, never a truncated one."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
-    tmp.replace(path)
 
 
 @record

@@ -1,0 +1,173 @@
+"""How ``Run.setup`` places and wraps a model: torch's DDP or ddpkit's DataParallel, and precision.
+
+One function decides it, from one frozen ``EngineConfig``. The wrapped model is what the user
+calls; ``unwrap`` gives the bare module whose ``state_dict`` goes into checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
+from ddpkit.parallel import DataParallel
+from ddpkit.parallel.sync import broadcast_coalesced
+
+ENGINES = ("torch", "native")
+PRECISIONS = ("fp32", "bf16", "fp16")
+COMPRESSIONS = (None, "bf16", "fp16", "powersgd")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How gradients are kept in sync, and in which precision forward runs.
+
+    Args:
+        engine: ``torch`` (DistributedDataParallel) or ``native`` (ddpkit.DataParallel).
+        bucket_cap_mb: gradient bucket size in MiB (both engines).
+        find_unused_parameters: reduce zeros for parameters a forward did not use.
+        compression: None, ``bf16``, ``fp16`` or ``powersgd`` gradient compression (both engines).
+        sync_batchnorm: turn BatchNorm layers into SyncBatchNorm (GPUs only: torch refuses CPU).
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a GradScaler, GPU only).
+    """
+
+    engine: str = "torch"
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    compression: str | None = None
+    sync_batchnorm: bool = False
+    broadcast_buffers: bool = True
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _choose("engine", self.engine, ENGINES)
+        _choose("precision", self.precision, PRECISIONS)
+        _choose("compression", self.compression, COMPRESSIONS)
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive, for example 25")
+
+
+def _choose(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name}={value!r}; choose one of {', '.join(map(repr, allowed))}")
+
+
+def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
+    """Move ``model`` to this rank's device and wrap it in the engine; rank 0's weights win.
+
+    Raises:
+        ConfigError: fp16 or SyncBatchNorm on a CPU, or a model without trainable parameters.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"run.setup takes an nn.Module, got {type(model).__name__}")
+    if env.device.type != "cuda" and (cfg.precision == "fp16" or cfg.sync_batchnorm):
+        what = "precision='fp16' (a GradScaler)" if cfg.precision == "fp16" else "sync_batchnorm=True"
+        raise ConfigError(f"{what} needs GPUs (torch refuses it on CPU); leave it off, or use bf16 on CPU")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"{type(model).__name__} has no parameter that requires grad; nothing to train")
+    model = model.to(env.device)
+    if cfg.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    wrapped = _native(model, cfg) if cfg.engine == "native" else _torch_ddp(model, env, cfg)
+    if cfg.precision != "fp32":
+        dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
+        # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
+        wrapped.forward = _autocast_forward(wrapped.forward, env.device.type, dtype)
+    return wrapped
+
+
+def _native(model: nn.Module, cfg: EngineConfig) -> DataParallel:
+    return DataParallel(
+        model,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        find_unused_parameters=cfg.find_unused_parameters,
+        broadcast_buffers=cfg.broadcast_buffers,
+        compression=cfg.compression,
+    )
+
+
+def _torch_ddp(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> DistributedDataParallel:
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        find_unused_parameters=cfg.find_unused_parameters,
+        forward_sync_buffers=cfg.broadcast_buffers,  # torch 2.13's name for broadcast_buffers
+    )
+    if cfg.compression is not None:
+        ddp.register_comm_hook(*_torch_hook(cfg.compression))
+    return ddp
+
+
+def _torch_hook(name: str) -> tuple:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+        return state, powerSGD_hook.powerSGD_hook
+    return None, default_hooks.bf16_compress_hook if name == "bf16" else default_hooks.fp16_compress_hook
+
+
+def _autocast_forward(forward, device_type: str, dtype: torch.dtype):
+    """Run ``forward`` under autocast and hand back float32 outputs, so a loss outside is fp32."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            output = forward(*args, **kwargs)
+        return _to_float32(output)
+
+    return run
+
+
+def _to_float32(value):
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return type(value)({k: _to_float32(v) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_float32(v) for v in value))
+    if isinstance(value, list | tuple):
+        return type(value)(_to_float32(v) for v in value)
+    return value
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare module inside an engine wrapper (the model itself when not wrapped)."""
+    return model.module if isinstance(model, DistributedDataParallel | DataParallel) else model
+
+
+def set_grad_sync(models: list[nn.Module], sync: bool) -> None:
+    """What ``no_sync()`` toggles, for several models at once: False accumulates locally."""
+    for model in models:
+        model.require_backward_grad_sync = sync
+
+
+@contextlib.contextmanager
+def local_forwards(models: list[nn.Module]) -> Iterator[None]:
+    """Forwards that start no collective, for ranks running unequal numbers of eval batches.
+
+    Rank 0's buffers (BatchNorm statistics) are broadcast once first, as the engines would do
+    at the next forward; then forward-time buffer syncs are off until the context ends.
+    """
+    saved = []
+    for model in models:
+        broadcast_coalesced(list(unwrap(model).buffers()), dist.group.WORLD, 0)
+        # The flag each engine reads before a forward to decide whether to sync buffers.
+        flag = "sync_buffers_next" if isinstance(model, DataParallel) else "require_forward_param_sync"
+        saved.append((model, flag, getattr(model, flag)))
+        setattr(model, flag, False)
+    try:
+        yield
+    finally:
+        for model, flag, value in saved:
+            setattr(model, flag, value)

@@ -1,0 +1,141 @@
+"""What a Run's checkpoint holds, where it is resumed from, and how each registered object gets its part.
+
+A checkpoint is ``{"step", "world_size", "rng": [one dict per rank], "state": {name: state_dict}}``
+where the names are those the user registered (``run.setup``, ``run.track``, ``run.loader``),
+every one of them through its own ``state_dict()`` / ``load_state_dict()``. Rank 0 writes it
+atomically with a sha256 manifest (``checkpoint/store.py``); every rank loads the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.checkpoint import capture_rng, load_checkpoint, resolve_resume, restore_rng, save_checkpoint
+from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When checkpoints are written and whether a run continues from one.
+
+    Args:
+        save_every: write a checkpoint every this many optimizer steps and at ``run.finish()``;
+            0 writes none.
+        keep_last: how many checkpoints to keep, newest first.
+        resume: ``auto`` (the newest good checkpoint in OUT/checkpoints, if any), ``never``
+            (start fresh; refused if OUT already holds a run) or the path of a checkpoint.
+    """
+
+    save_every: int = 0
+    keep_last: int = 2
+    resume: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise ConfigError(f"save_every={self.save_every} is below 0; use 0 to write no checkpoints")
+        if self.keep_last < 1:
+            raise ConfigError(f"keep_last={self.keep_last} is below 1; keep at least one checkpoint")
+        if not self.resume:
+            raise ConfigError("resume='' names nothing; use 'auto', 'never' or a checkpoint path")
+
+
+def resume_point(out: Path | None, cfg: CheckpointConfig, env: DistEnv) -> str | None:
+    """The one decision of whether, and from where, this run continues. Collective.
+
+    Rank 0 chooses (so every rank loads the same checkpoint even if a newer one appears while
+    they look) and broadcasts the path. A worker restarted by the elastic agent always takes
+    the newest good checkpoint: the run it belongs to wrote it.
+    """
+    choice: list[str | None] = [None]
+    if env.is_rank0:
+        choice = [_choose(out, cfg, env)]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def _choose(out: Path | None, cfg: CheckpointConfig, env: DistEnv) -> str | None:
+    if out is None:
+        if cfg.resume not in ("auto", "never"):
+            return str(resolve_resume(Path("."), cfg.resume))
+        return None
+    resume = "auto" if env.restart_count > 0 else cfg.resume
+    found = resolve_resume(out / "checkpoints", resume)
+    if found is None and env.restart_count == 0:
+        _refuse_to_overwrite(out, cfg)
+    return str(found) if found else None
+
+
+def _refuse_to_overwrite(out: Path, cfg: CheckpointConfig) -> None:
+    """A fresh start may not write into a folder that holds an earlier run: nothing of it is lost."""
+    earlier = [p.name for p in (out / "checkpoints", out / "metrics.jsonl") if p.exists()]
+    if not earlier:
+        return
+    if (out / "checkpoints").exists() and cfg.resume == "never":
+        fix = "pass resume='auto' to continue it"
+    else:
+        fix = "it has no checkpoint to continue from (save_every=0)"
+    raise ConfigError(
+        f"out={str(out)!r} already holds a run ({', '.join(earlier)}); {fix}, or choose another out"
+    )
+
+
+def load(path: str, device: torch.device) -> dict:
+    """Load and verify a checkpoint written by ``save``, onto this rank's device."""
+    state = load_checkpoint(path, map_location=device)
+    if not isinstance(state, dict) or "state" not in state or "rng" not in state:
+        raise ConfigError(
+            f"{path} is not a ddpkit.Run checkpoint (it lacks 'state' and 'rng'); "
+            "resume a Run from its own OUT/checkpoints, or pass resume='never'"
+        )
+    return state
+
+
+def check_names(path: str, saved: dict, registered: list[str]) -> None:
+    """Refuse a checkpoint whose parts do not match what this run registered, in either direction."""
+    missing = [name for name in saved if name not in registered]
+    extra = [name for name in registered if name not in saved]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"it holds {missing}, which this run did not register (run.track(NAME=obj))")
+        if extra:
+            parts.append(f"this run registered {extra}, which it does not hold")
+        raise ConfigError(
+            f"cannot resume from {path}: {'; '.join(parts)}; register the same objects under the same "
+            "names as the run that wrote it, or pass resume='never' with another out"
+        )
+
+
+def restore(objects: dict[str, Any], saved: dict, rank: int) -> None:
+    """Give each registered object its part; optimizers last, so the learning rates in their
+    param groups are the saved ones and not what a scheduler's constructor set."""
+    last = [n for n, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)]
+    for name in [n for n in objects if n not in last] + last:
+        objects[name].load_state_dict(saved["state"][name])
+    rng = saved["rng"]
+    # Same world size: each rank continues its own random streams; otherwise ranks map modulo.
+    restore_rng(rng[rank % len(rng)])
+
+
+def save(directory: Path, step: int, objects: dict[str, Any], env: DistEnv, keep_last: int) -> Path | None:
+    """Checkpoint every registered object at ``step``. Collective: every rank calls it, rank 0 writes."""
+    rng: list[dict | None] = [None] * env.world_size
+    dist.all_gather_object(rng, capture_rng())
+    if not env.is_rank0:
+        return None
+    state = {
+        "step": step,
+        "world_size": env.world_size,
+        "rng": rng,
+        "state": {name: obj.state_dict() for name, obj in objects.items()},
+    }
+    return save_checkpoint(directory, step, state, keep_last=keep_last)
