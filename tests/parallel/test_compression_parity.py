@@ -53,7 +53,7 @@ def _one_bucket_at_a_time(state, bucket):
 
 
 def _our_engine(model: nn.Module, kind: str | None) -> DataParallel:
-    compression = PowerSGD(rank=1, start_iter=2) if kind == "powersgd" else kind
+    compression = PowerSGD(matrix_approximation_rank=1, start_iter=2) if kind == "powersgd" else kind
     return DataParallel(model, bucket_cap_mb=BUCKET_MB, compression=compression)
 
 

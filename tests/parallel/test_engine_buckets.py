@@ -10,7 +10,7 @@ from torch import nn
 import ddpkit
 from ddpkit import ConfigError, DataParallel
 from ddpkit.parallel import FIRST_BUCKET_BYTES, allreduce_hook, assign_buckets, make_hook
-from ddpkit.parallel.data_parallel import default_first_bucket_mb
+from ddpkit.parallel.checks import default_first_bucket_mb
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
-"""The gradient-synchronization engine: Bucket, Reducer, DataParallel, and compression hooks."""
+"""The gradient-synchronization engine: Bucket, Reducer, DataParallel, and communication hooks."""
 
 from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.compression import COMPRESSIONS, CastHook, PrescaledAllReduce, allreduce_hook, make_hook
 from ddpkit.parallel.data_parallel import DataParallel
+from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.powersgd import PowerSGD
 from ddpkit.parallel.reducer import Reducer
+from ddpkit.parallel.torch_hooks import GradBucket, TorchCommHook
 
 __all__ = [
     "COMPRESSIONS",
@@ -12,9 +14,12 @@ __all__ = [
     "Bucket",
     "CastHook",
     "DataParallel",
+    "DataParallelError",
+    "GradBucket",
     "PowerSGD",
     "PrescaledAllReduce",
     "Reducer",
+    "TorchCommHook",
     "allreduce_hook",
     "assign_buckets",
     "make_hook",

@@ -1,16 +1,23 @@
 """Gradient buckets: one flat buffer per group of parameters, and the rule that forms the groups.
 
-A bucket owns a flat 1-D buffer; each of its parameters' ``.grad`` is a view into that buffer,
-so the engine keeps no second copy of the gradients and the all-reduce runs on the gradients
-themselves.
+A bucket owns a flat 1-D buffer, the collective that reduces it, and the copies in and out of
+its parameters' ``.grad``. By default each ``.grad`` is a view into that buffer, so the engine
+keeps no second copy of the gradients and the all-reduce runs on the gradients themselves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+
+from ddpkit.parallel.flat import unflatten
+
+if TYPE_CHECKING:
+    from ddpkit.parallel.compression import CommHook, Handle
 
 # Gradients arrive roughly in reverse registration order, so the first bucket holds the last
 # layers; keeping it small lets its all-reduce start early in backward. 1 MiB is torch DDP's value.
@@ -78,31 +85,43 @@ def _nbytes(param: nn.Parameter) -> int:
 
 
 class Bucket:
-    """A flat gradient buffer shared by a few parameters of one dtype and device.
+    """A flat gradient buffer shared by a few parameters of one dtype and device, and its collective.
 
-    Life of a bucket in one synchronized backward pass: ``reset`` (all parameters pending) ->
-    ``take_grad`` for each parameter as autograd finishes its gradient -> ``is_full`` -> the
-    communication hook reduces ``buffer`` in place -> the parameters' ``.grad`` views hold the
-    averaged gradient.
+    Life of a bucket in one synchronized backward pass: ``reset`` (every parameter pending) ->
+    ``add_grad`` or ``add_unused`` once per parameter -> ``launch`` the communication hook when
+    none is pending -> ``wait`` -> ``write_back`` puts the average into each parameter's ``.grad``.
+
+    With ``grad_as_view`` each ``.grad`` is a view into the buffer (torch's
+    ``gradient_as_bucket_view=True``): no second copy of the gradients exists, and ``write_back``
+    has nothing to copy. Without it ``.grad`` stays the tensor autograd made, and the average
+    is copied in and out, as torch's DDP does by default.
 
     Args:
         index: position in the reduction order; hooks key their per-bucket state on it.
         params: the parameters, in buffer order.
         indices: each parameter's index in the reducer's parameter list.
+        grad_as_view: make each ``.grad`` a view into the buffer.
+        is_last: the last bucket to be reduced (torch's ``GradBucket.is_last``).
     """
 
-    def __init__(self, index: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
-        self.index = index
-        self.params = list(params)
-        self.indices = list(indices)
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        indices: Sequence[int],
+        grad_as_view: bool = True,
+        is_last: bool = False,
+    ) -> None:
+        assert params and len(params) == len(indices), "a bucket holds at least one parameter, each indexed"
+        self.index, self.is_last, self.grad_as_view = index, is_last, grad_as_view
+        self.params, self.indices = list(params), list(indices)
         first = self.params[0]
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-        self.views: list[Tensor] = []
-        offset = 0
-        for param in self.params:
-            self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
+        self.views = unflatten(self.buffer, self.params)
         self.pending = len(self.params)
+        self.work: Handle | None = None
+        # create_graph=True: the local gradients that carry a graph, by position; see write_back.
+        self.graphs: dict[int, Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -111,55 +130,112 @@ class Bucket:
 
     def reset(self) -> None:
         """Mark every parameter pending again, at the start of a synchronized backward."""
+        assert self.work is None, f"bucket {self.index} was reset with its collective still in flight"
         self.pending = len(self.params)
+        self.graphs.clear()
 
-    def take_grad(self, pos: int, scale: float | None = None) -> bool:
-        """Move parameter ``pos``'s gradient into the buffer; True when the bucket became full.
+    def add_grad(self, pos: int, scale: float | None) -> bool:
+        """Move parameter ``pos``'s new gradient into the buffer; True when the bucket became full.
 
-        When ``.grad`` is already our view (the steady state with ``zero_grad(set_to_none=False)``)
-        nothing is copied; after ``set_to_none`` autograd made a fresh tensor, so it is copied in
-        once and ``.grad`` is pointed back at the view. ``scale`` multiplies on the way in, which
-        saves the hook a second pass over the bucket.
+        When ``.grad`` is already our view (the steady state with ``grad_as_view`` and
+        ``zero_grad(set_to_none=False)``) nothing is copied; otherwise it is copied in once and,
+        with ``grad_as_view``, ``.grad`` is pointed at the view. ``scale`` multiplies on the way
+        in, which saves the hook a second pass over the bucket.
         """
-        self._move_in(pos, self.params[pos].grad, scale)
-        self.pending -= 1
-        return self.pending == 0
+        param, view = self.params[pos], self.views[pos]
+        if param.grad is view:
+            if scale is not None:
+                view.mul_(scale)
+        else:
+            self._copy_in(pos, param.grad, scale)
+            if self.grad_as_view and pos not in self.graphs:
+                param.grad = view
+        return self._count_ready()
 
-    def skip_param(self, pos: int, scale: float | None = None) -> bool:
+    def add_unused(self, pos: int, scale: float | None) -> bool:
         """Count parameter ``pos`` as ready though it got no gradient this pass (find_unused_parameters).
 
-        Like torch DDP, a gradient left from earlier passes (``no_sync``) is still contributed, and
-        an absent one counts as zeros. A ``.grad`` that is our view is first detached into its own
-        tensor, so that if no rank used the parameter its gradient stays exactly as it was.
+        As in torch's DDP, a gradient left from earlier passes (``no_sync``) is still contributed,
+        and an absent one counts as zeros. A ``.grad`` that is our view is first detached into its
+        own tensor, so that if no rank used the parameter its gradient stays exactly as it was.
         """
         param, view = self.params[pos], self.views[pos]
         if param.grad is view:
             param.grad = view.clone()
-        if param.grad is None:
-            view.zero_()
-        else:
-            self._copy_in(pos, param.grad, scale)
+        self._copy_in(pos, param.grad, scale)
+        return self._count_ready()
+
+    def _count_ready(self) -> bool:
+        assert self.pending > 0, f"bucket {self.index}: more parameters ready than it holds"
         self.pending -= 1
         return self.pending == 0
 
-    def _move_in(self, pos: int, grad: Tensor | None, scale: float | None) -> None:
+    def _copy_in(self, pos: int, grad: Tensor | None, scale: float | None) -> None:
         view = self.views[pos]
-        if grad is view:
-            if scale is not None:
-                view.mul_(scale)
-            return
         if grad is None:
             view.zero_()
-        else:
-            self._copy_in(pos, grad, scale)
-        self.params[pos].grad = view
+            return
+        if grad.requires_grad:  # backward(create_graph=True): keep the graph for write_back
+            self.graphs[pos] = grad
+        # no_grad: the buffer is plain data for the collective, even when grad has a graph
+        # (an out= op under grad mode would fail on it).
+        with torch.no_grad():
+            if scale is None:
+                view.copy_(grad)
+            else:
+                # torch's reducer does the same mul_out, so the rounding is identical.
+                torch.mul(grad, scale, out=view)
 
-    def _copy_in(self, pos: int, grad: Tensor, scale: float | None) -> None:
-        if scale is None:
-            self.views[pos].copy_(grad)
+    def launch(self, hook: CommHook, process_group: dist.ProcessGroup, world_size: int) -> None:
+        """Start this bucket's collective with ``hook``; every parameter must be ready."""
+        assert self.pending == 0, f"bucket {self.index} launched with {self.pending} parameter(s) pending"
+        assert self.work is None, f"bucket {self.index} launched twice in one pass"
+        self.work = hook(self, process_group, world_size)
+
+    @property
+    def launched(self) -> bool:
+        """True between ``launch`` and ``wait``."""
+        return self.work is not None
+
+    def done(self) -> bool:
+        """True when the collective has finished (without waiting for it)."""
+        assert self.work is not None, f"bucket {self.index} was never launched"
+        return bool(self.work.done()) if hasattr(self.work, "done") else bool(self.work.is_completed())
+
+    def wait(self) -> None:
+        """Block until the buffer holds the reduced gradients."""
+        assert self.work is not None, f"bucket {self.index} waited on before it was launched"
+        work, self.work = self.work, None
+        work.wait()
+
+    def abandon(self) -> None:
+        """Forget the collective without waiting for it (a failed pass: waiting could hang)."""
+        self.work = None
+
+    def zero_for_join(self) -> None:
+        """Fill the buffer with zeros and count every parameter ready: a joined rank's share."""
+        self.buffer.zero_()
+        self.pending = 0
+
+    def write_back(self, pos: int, scale: float | None) -> None:
+        """Give parameter ``pos`` the reduced gradient (after ``wait``).
+
+        With create_graph=True the result keeps the local gradient's graph, scaled as on the
+        way in: torch's DDP copies the scaled local gradient into the bucket with autograd on, so
+        its second-order gradients are the local ones / world size (they are not all-reduced).
+        """
+        param, view = self.params[pos], self.views[pos]
+        local = self.graphs.get(pos)
+        if local is not None:
+            with torch.enable_grad():
+                param.grad = _KeepGraph.apply(local, view, scale)
+        elif self.grad_as_view:
+            param.grad = view
+        elif param.grad is None:
+            param.grad = torch.empty_like(param).copy_(view)  # the parameter's memory layout
         else:
-            # torch's reducer does the same mul_out, so the rounding is identical.
-            torch.mul(grad, scale, out=self.views[pos])
+            with torch.no_grad():
+                param.grad.copy_(view)
 
     def rebind_from(self, old: Bucket, pos_in_old: int, pos: int) -> None:
         """Carry a gradient that lives in ``old`` over to this bucket, when buckets are rebuilt."""
@@ -167,3 +243,16 @@ class Bucket:
         if param.grad is old.views[pos_in_old]:
             self.views[pos].copy_(param.grad)
             param.grad = self.views[pos]
+
+
+class _KeepGraph(torch.autograd.Function):
+    """The reduced gradient's values, differentiable as the local gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, reduced: Tensor, scale: float | None) -> Tensor:
+        ctx.scale = scale
+        return reduced.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return (grad if ctx.scale is None else grad * ctx.scale), None, None

@@ -1,7 +1,9 @@
 """Communication hooks: how one full bucket is averaged across ranks.
 
 A hook is any callable ``hook(bucket, process_group, divisor) -> handle`` where ``handle.wait()``
-leaves the average over ranks in ``bucket.buffer`` (the parameters' ``.grad`` views). The reducer
+leaves the average over ranks in ``bucket.buffer`` (from where the parameters' ``.grad`` get it).
+Hooks written for torch's DDP, ``hook(state, GradBucket) -> Future``, go through
+``DataParallel.register_comm_hook`` instead (``ddpkit.parallel.torch_hooks``). The reducer
 calls the hook as soon as the bucket is full, while backward still runs, and waits on the handles
 once at the end of backward. ``divisor`` is the world size. A hook with ``scale_on_copy = True``
 gets a bucket already multiplied by 1 / divisor: the reducer folds the scaling into the copy that
@@ -14,15 +16,17 @@ with torch bit for bit where the arithmetic allows (world size 2).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.bucket import Bucket
 from ddpkit.parallel.powersgd import PowerSGD
+
+if TYPE_CHECKING:
+    from ddpkit.parallel.bucket import Bucket
 
 
 class Handle(Protocol):
@@ -31,7 +35,7 @@ class Handle(Protocol):
     def wait(self) -> object: ...
 
 
-CommHook = Callable[[Bucket, dist.ProcessGroup, int], Handle]
+CommHook = Callable[["Bucket", dist.ProcessGroup, int], Handle]
 
 
 def allreduce_hook(bucket: Bucket, process_group: dist.ProcessGroup, divisor: int) -> Handle:
@@ -97,7 +101,7 @@ def make_hook(compression: str | CommHook | None) -> CommHook:
 
     Args:
         compression: None (full precision), ``"bf16"``, ``"fp16"``, ``"powersgd"``
-            (``PowerSGD()`` with its defaults), or any hook callable, such as ``PowerSGD(rank=4)``.
+            (``PowerSGD()`` with its defaults), or any hook callable, such as ``PowerSGD(matrix_approximation_rank=4)``.
     """
     if compression is None:
         return PrescaledAllReduce()
@@ -111,5 +115,5 @@ def make_hook(compression: str | CommHook | None) -> CommHook:
         return PowerSGD()
     raise ConfigError(
         f"unknown compression {compression!r}; use None, one of {', '.join(COMPRESSIONS)}, "
-        "or a hook such as ddpkit.parallel.PowerSGD(rank=2)"
+        "or a hook such as ddpkit.parallel.PowerSGD(matrix_approximation_rank=2)"
     )

@@ -12,81 +12,126 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit.diagnostics.threads import warn_if_oversubscribed
-from ddpkit.errors import ConfigError
-from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES
+from ddpkit.parallel import checks
 from ddpkit.parallel.compression import CommHook, make_hook
+from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.join import DataParallelJoinHook, agree_on_rank, agree_to_sync
 from ddpkit.parallel.reducer import Reducer
-from ddpkit.parallel.sync import broadcast_coalesced, find_tensors, verify_same_params
+from ddpkit.parallel.sync import broadcast_coalesced, find_tensors, to_device, verify_same_params
+from ddpkit.parallel.torch_hooks import TorchCommHook, check_comm_hook
 
 
 class DataParallel(nn.Module, Joinable):
     """Data parallelism with a gradient-synchronization engine written in Python.
 
-    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` on the common path: wrap the
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel``: the same arguments in the same
+    order, ``no_sync``, ``join``, ``register_comm_hook`` with torch's hooks, pickling. Wrap the
     model once per process, then train as usual; after ``loss.backward()`` every ``.grad``
-    holds the average over ranks. Each ``.grad`` is a view into a flat bucket, and a bucket's
-    all-reduce starts as soon as its last gradient is ready, while backward continues.
+    holds the average over ranks. A bucket's all-reduce starts as soon as its last gradient is
+    ready, while backward continues.
 
     Args:
         module: the model, already on this rank's device(s); the same model on every rank.
+        device_ids: None, or ``[device]`` for a module on one GPU (inputs are moved there).
+        output_device: None, or that same device.
+        dim: kept for torch's signature; inputs are never split here.
+        broadcast_buffers: copy rank 0's buffers (BatchNorm running statistics) to every rank
+            at construction and before each forward. False skips both, as in torch.
+        init_sync: check that every rank has the same parameters, then copy rank 0's.
         process_group: ranks that average gradients; the default group when None.
-        bucket_cap_mb: bucket size in MiB at which a bucket is closed.
+        bucket_cap_mb: bucket size in MiB at which a bucket is closed (25 when None).
+        find_unused_parameters: after each forward, find the parameters the loss cannot reach and
+            count them as ready; gradients from ``no_sync`` micro-batches are still averaged.
+        check_reduction: deprecated in torch; does nothing.
+        gradient_as_bucket_view: each ``.grad`` is a view into its bucket, which saves one copy
+            of the gradients in memory and time. Default True, unlike torch's False: the values
+            are the same either way; the views cannot be ``detach_()``-ed in place.
+        static_graph: the same parameters are used, the same number of times, in every step
+            (activation checkpointing may use one twice): learnt in the first step, so later
+            steps need neither ``find_unused_parameters``' graph walk nor its all-reduce.
+        forward_sync_buffers: torch 2.13's name for broadcasting buffers before each forward;
+            False still copies them once at construction. Overrides broadcast_buffers.
         first_bucket_mb: size of the first bucket (and of a last one as small). None picks by
             device: 1 MiB on GPUs, where an early small all-reduce overlaps with backward; on the
             CPU, bucket_cap_mb (no small buckets), because gloo's copies and sums run on the cores
             backward is already using: overlap moves that work rather than hiding it, and each
             extra collective costs CPU time (``ddpkit bench engine --engines torch,native,native@1mib``:
             one bucket 0.991 and 0.978 of torch DDP's step in two runs, torch's layout 0.995 and 0.994).
-        find_unused_parameters: after each forward, find the parameters the loss cannot reach
-            and reduce zeros for them instead of waiting for gradients that never come.
-        broadcast_buffers: copy rank 0's buffers (BatchNorm running statistics) to every rank
-            before each forward.
         compression: None, ``"bf16"``, ``"fp16"``, ``"powersgd"`` or a hook callable
-            (see ``ddpkit.parallel.compression``).
+            (see ``ddpkit.parallel.compression``); torch's hooks go to ``register_comm_hook``.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        *,
+        device_ids: list | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25,
-        first_bucket_mb: float | None = None,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        *,
+        forward_sync_buffers: bool | None = None,
+        first_bucket_mb: float | None = None,
         compression: str | CommHook | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        _check_args(module, bucket_cap_mb, first_bucket_mb)
-        self.module = module
+        bucket_cap_mb = checks.DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        params = _managed_params(module)
+        checks.check_args(module, params, bucket_cap_mb, first_bucket_mb)
+        checks.warn_deprecated(check_reduction, static_graph, find_unused_parameters)
+        self.module, self.dim = module, dim
+        self.device = checks.check_devices(params, device_ids, output_device)
+        self.device_ids = None if self.device is None else [self.device.index]
+        self.output_device = None if self.device is None else self.device.index
         self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.broadcast_buffers = broadcast_buffers
-        verify_same_params(module, self.process_group)
-        on_cpu = any(p.device.type == "cpu" for p in module.parameters())
-        warn_if_oversubscribed(self.process_group, on_cpu=on_cpu)  # the usual cause of slow CPU DDP
-        # Replicas must start identical; rank 0's initialization wins.
-        broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.process_group, 0)
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self.reducer = Reducer(
-            named,
-            self.process_group,
-            make_hook(compression),
-            bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
-            first_bucket_bytes=int(
-                default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 1024 * 1024
-            ),
-            find_unused_parameters=find_unused_parameters,
-        )
+        broadcast = True if broadcast_buffers is None else broadcast_buffers
+        self.forward_sync_buffers = broadcast if forward_sync_buffers is None else forward_sync_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
+        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
+        self.first_bucket_bytes = int(checks.default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 2**20)
+        warn_if_oversubscribed(self.process_group, on_cpu=any(p.device.type == "cpu" for p in params))
+        if init_sync:
+            verify_same_params(module, self.process_group)
+            # Replicas must start identical; rank 0's initialization wins.
+            init_buffers = forward_sync_buffers is not None or broadcast
+            broadcast_coalesced(params + (_managed_buffers(module) if init_buffers else []), self.process_group, 0)
+        self._hook = make_hook(compression)
+        self._hook_is_set = compression is not None
+        self.reducer = self._make_reducer()
         # nanoGPT-style code toggles this attribute directly; no_sync() is the polite way.
         self.require_backward_grad_sync = True
         self.sync_buffers_next = self.has_buffers_to_sync
 
+    def _make_reducer(self) -> Reducer:
+        named = [(name, p) for name, p in _managed_params(self.module, named=True) if p.requires_grad]
+        return Reducer(
+            named,
+            self.process_group,
+            self._hook,
+            bucket_cap_bytes=self.bucket_bytes_cap,
+            first_bucket_bytes=self.first_bucket_bytes,
+            find_unused_parameters=self.find_unused_parameters and not self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+        )
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast before each forward (torch's old name)."""
+        return self.forward_sync_buffers
+
     @property
     def has_buffers_to_sync(self) -> bool:
-        """True when buffers are broadcast before forwards (broadcast_buffers and the model has some)."""
-        return self.broadcast_buffers and any(True for _ in self.module.buffers())
+        """True when buffers are broadcast before forwards (forward_sync_buffers and the model has some)."""
+        return self.forward_sync_buffers and bool(_managed_buffers(self.module))
 
     def forward(self, *inputs, **kwargs):
         """Run the wrapped module; when gradients will be synchronized, arm the reducer."""
@@ -98,10 +143,12 @@ class DataParallel(nn.Module, Joinable):
             self.reducer.rebuild_buckets()
         if self.sync_buffers_next:
             src = agree_on_rank(self, True) if joining else 0
-            broadcast_coalesced(self.module.buffers(), self.process_group, src)
+            broadcast_coalesced(_managed_buffers(self.module), self.process_group, src)
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if joining:
             agree_to_sync(self, will_sync)
+        if self.device is not None:
+            inputs, kwargs = to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)
         if will_sync:
             self.reducer.prepare_for_backward(find_tensors(output) if self.reducer.find_unused else [])
@@ -122,17 +169,47 @@ class DataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = old
 
-    def join(self, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
-        """Context manager for uneven inputs: ranks that finish early shadow the others' collectives.
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Reduce buckets with a hook written for torch's DDP: ``hook(state, bucket) -> Future[Tensor]``.
 
-        Gradients are still divided by the full world size, so a step where some ranks have
-        joined weighs their (zero) contributions too, as torch DDP does by default.
+        torch's own hooks work unchanged (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
+        ``bf16_compress_hook`` (also on CPU over gloo, which torch's DDP refuses),
+        ``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState``). As in torch, the bucket is not
+        divided by the world size first, and a hook can be registered once, before training.
 
         Args:
+            state: passed to every call of ``hook``; torch's default hooks take a process group
+                (None: the default group).
+            hook: the communication hook.
+        """
+        check_comm_hook(hook)
+        if self._hook_is_set:
+            raise RuntimeError(
+                "register_comm_hook can only be called once, and not with DataParallel(compression=...)"
+            )
+        self._hook, self._hook_is_set = TorchCommHook(state, hook), True
+        self.reducer.set_hook(self._hook)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs: ranks that finish early shadow the others' collectives.
+
+        Args:
+            divide_by_initial_world_size: divide by the full world size even in steps where some
+                ranks have joined (their contributions are zeros), as torch DDP does by default.
+                False is not supported.
             enable: False turns the context manager into a no-op.
             throw_on_early_termination: raise on every rank as soon as one runs out of data,
                 instead of shadowing.
         """
+        if not divide_by_initial_world_size:
+            raise NotImplementedError(
+                "DataParallel.join(divide_by_initial_world_size=False) is not supported; use the default"
+            )
         return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
 
     def join_hook(self, **kwargs) -> JoinHook:
@@ -149,35 +226,38 @@ class DataParallel(nn.Module, Joinable):
         """The process group join's all-reduces run in."""
         return self.process_group
 
+    def __getstate__(self) -> dict:
+        """Pickle (``torch.save(model)``, ``copy.deepcopy``) without the process group and reducer.
 
-def default_first_bucket_mb(module: nn.Module, bucket_cap_mb: float, first_bucket_mb: float | None) -> float:
-    """``first_bucket_mb`` as given, or by device: bucket_cap_mb when every parameter is on the CPU."""
-    if first_bucket_mb is not None:
-        return first_bucket_mb
-    if all(p.device.type == "cpu" for p in module.parameters()):
-        return bucket_cap_mb
-    return FIRST_BUCKET_BYTES / (1024 * 1024)
+        As in torch's DDP, only a DataParallel on the default process group can be pickled; the
+        copy joins the default group of the process that loads it. A hook's state is pickled with it.
+        """
+        if self.process_group not in (dist.group.WORLD, dist.distributed_c10d._get_default_group()):
+            raise DataParallelError(
+                "DataParallel can be pickled only on the default process group (no process_group "
+                "argument); save model.module or its state_dict instead"
+            )
+        state = dict(self.__dict__)
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Rebuild the reducer on the default process group after unpickling."""
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self.reducer = self._make_reducer()
 
 
-def _check_args(module: nn.Module, bucket_cap_mb: float, first_bucket_mb: float | None) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError(
-            "DataParallel needs a process group; call ddpkit.init_distributed() before wrapping the model"
-        )
-    if not bucket_cap_mb > 0:
-        raise ConfigError(f"bucket_cap_mb {bucket_cap_mb} must be positive, for example bucket_cap_mb=25")
-    if first_bucket_mb is not None and not first_bucket_mb > 0:
-        raise ConfigError(
-            f"first_bucket_mb {first_bucket_mb} must be positive (or None to pick by device), for example 1"
-        )
-    sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
-    if sparse:
-        raise ConfigError(
-            f"DataParallel does not reduce sparse gradients, and {sparse[0]!r} makes them (sparse=True); "
-            "build it with sparse=False, or train with --engine torch"
-        )
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ConfigError(
-            f"DataParallel got a {type(module).__name__} with no parameter that requires grad; "
-            "there is nothing to synchronize, so use the module without DataParallel"
-        )
+def _ignored(module: nn.Module) -> set[str]:
+    # torch's DDP leaves out what _set_params_and_buffers_to_ignore_for_model names.
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def _managed_params(module: nn.Module, named: bool = False) -> list:
+    ignored = _ignored(module)
+    return [(n, p) if named else p for n, p in module.named_parameters() if n not in ignored]
+
+
+def _managed_buffers(module: nn.Module) -> list[torch.Tensor]:
+    ignored = _ignored(module)
+    return [b for n, b in module.named_buffers() if n not in ignored]

@@ -11,7 +11,7 @@ start for Q, same orthogonalization), so the two agree to rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.flat import flatten, unflatten
 
 
 def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> None:
@@ -40,31 +41,47 @@ class PowerSGD:
     """Low-rank gradient compression with error feedback, as a communication hook.
 
     Args:
-        rank: rank r of the approximation; higher is more accurate and sends more.
+        matrix_approximation_rank: rank r of the approximation; higher is more accurate and sends
+            more (torch's ``PowerSGDState`` name; ``rank=`` is still accepted).
         start_iter: synchronized steps that use a plain all-reduce before compressing (> 1).
         min_compression_rate: compress a matrix only if this saves at least this factor.
         error_feedback: add what the approximation missed to the next step's gradient.
         warm_start: start each step's power iteration from the last step's Q.
         seed: seed for the random first Q, the same on every rank.
+        rank: the old name of matrix_approximation_rank.
     """
 
     def __init__(
         self,
-        rank: int = 1,
+        matrix_approximation_rank: int = 1,
         start_iter: int = 10,
         min_compression_rate: float = 2.0,
         error_feedback: bool = True,
         warm_start: bool = True,
         seed: int = 0,
+        *,
+        rank: int | None = None,
     ) -> None:
+        if rank is not None:
+            warnings.warn(
+                "PowerSGD(rank=...) is now PowerSGD(matrix_approximation_rank=...), torch's name",
+                FutureWarning,
+                stacklevel=2,
+            )
+            matrix_approximation_rank = rank
+        rank = matrix_approximation_rank
         if rank < 1:
-            raise ConfigError(f"PowerSGD rank {rank} must be at least 1, for example rank=1")
+            raise ConfigError(
+                f"PowerSGD matrix_approximation_rank {rank} must be at least 1, "
+                "for example matrix_approximation_rank=1"
+            )
         if start_iter <= 1 and (error_feedback or warm_start):
             raise ConfigError(
                 f"PowerSGD start_iter {start_iter} must be > 1 with error feedback or warm start: "
                 "the first synchronized step runs before the buckets are rebuilt; use start_iter=2 or more"
             )
-        self.rank, self.start_iter, self.min_compression_rate = rank, start_iter, min_compression_rate
+        self.matrix_approximation_rank = rank
+        self.start_iter, self.min_compression_rate = start_iter, min_compression_rate
         self.error_feedback, self.warm_start = error_feedback, warm_start
         self.rng = np.random.RandomState(seed)
         self.errors: dict[int, Tensor] = {}
@@ -91,7 +108,7 @@ class PowerSGD:
 
     def _compressible(self, view: Tensor) -> bool:
         n, m = view.shape[0], view[0].numel()
-        r = min(n, m, self.rank)
+        r = min(n, m, self.matrix_approximation_rank)
         return (n + m) * r * self.min_compression_rate < n * m
 
 
@@ -115,9 +132,8 @@ class _PowerSGDStep:
         self.ps, self.qs = self._low_rank_views(index, buffer)
         for matrix, q, p in zip(self.matrices, self.qs, self.ps, strict=True):
             torch.bmm(matrix, q, out=p)  # (1, n, r)
-        flat = torch.cat([v.reshape(-1) for v in self.plain]) if self.plain else buffer.new_empty(0)
-        self.flat_plain = flat
-        self.plain_work = dist.all_reduce(flat, group=group, async_op=True)
+        self.flat_plain = flatten(self.plain) if self.plain else buffer.new_empty(0)
+        self.plain_work = dist.all_reduce(self.flat_plain, group=group, async_op=True)
         self.p_work = dist.all_reduce(state.p_memory[index], group=group, async_op=True)
 
     def _add_error(self, buffer: Tensor, index: int) -> Tensor | None:
@@ -132,13 +148,14 @@ class _PowerSGDStep:
 
     def _low_rank_views(self, index: int, buffer: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         state = self.state
-        shapes = [(m.shape[1], m.shape[2], min(m.shape[1], m.shape[2], state.rank)) for m in self.matrices]
+        rank = state.matrix_approximation_rank
+        shapes = [(m.shape[1], m.shape[2], min(m.shape[1], m.shape[2], rank)) for m in self.matrices]
         fresh = not state.warm_start or index not in state.p_memory
         if fresh:
             state.p_memory[index] = buffer.new_empty(sum(n * r for n, _, r in shapes))
             state.q_memory[index] = buffer.new_empty(sum(m * r for _, m, r in shapes))
-        ps = list(_split(state.p_memory[index], [(n, r) for n, _, r in shapes]))
-        qs = list(_split(state.q_memory[index], [(m, r) for _, m, r in shapes]))
+        ps = unflatten(state.p_memory[index], [(1, n, r) for n, _, r in shapes])
+        qs = unflatten(state.q_memory[index], [(1, m, r) for _, m, r in shapes])
         if fresh:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(state.rng.randint(1_000_000_000))
@@ -154,10 +171,8 @@ class _PowerSGDStep:
         state, index = self.state, self.bucket.index
         self.plain_work.wait()
         self.flat_plain.div_(self.divisor)
-        offset = 0
-        for view in self.plain:
-            view.copy_(self.flat_plain[offset : offset + view.numel()].view_as(view))
-            offset += view.numel()
+        for view, reduced in zip(self.plain, unflatten(self.flat_plain, self.plain), strict=True):
+            view.copy_(reduced)
         self.p_work.wait()
         for p in self.ps:
             orthogonalize(p)
@@ -173,9 +188,3 @@ class _PowerSGDStep:
             state.p_memory.clear()
             state.q_memory.clear()
 
-
-def _split(memory: Tensor, shapes: list[tuple[int, int]]) -> Iterator[Tensor]:
-    offset = 0
-    for rows, cols in shapes:
-        yield memory[offset : offset + rows * cols].view(1, rows, cols)
-        offset += rows * cols

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddpkit.errors import ConfigError
+from ddpkit.parallel.errors import DataParallelError
+from ddpkit.parallel.flat import flatten, unflatten
 
 _FIX = "build the same model (same code, same config) on every rank before wrapping it in DataParallel"
 
@@ -22,7 +23,8 @@ def verify_same_params(module: nn.Module, process_group: dist.ProcessGroup) -> N
     """Fail on every rank, naming the first difference, unless all ranks hold the same parameters.
 
     A collective (all_gather_object): different shapes would otherwise surface much later as a
-    hang or a garbled all-reduce.
+    hang or a garbled all-reduce. Raises ``DataParallelError``, a ``RuntimeError`` as torch's DDP
+    raises for this mistake.
 
     Args:
         module: this rank's model.
@@ -34,7 +36,7 @@ def verify_same_params(module: nn.Module, process_group: dist.ProcessGroup) -> N
     for rank, signature in enumerate(signatures[1:], start=1):
         problem = first_difference(reference, signature, rank)
         if problem:
-            raise ConfigError(f"DataParallel: the ranks hold different models: {problem}; {_FIX}")
+            raise DataParallelError(f"DataParallel: the ranks hold different models: {problem}; {_FIX}")
 
 
 def first_difference(reference: list, other: list, rank: int) -> str | None:
@@ -78,16 +80,10 @@ def broadcast_coalesced(tensors: Iterable[Tensor], process_group: dist.ProcessGr
         if len(members) == 1 and members[0].is_contiguous():
             dist.broadcast(members[0], group=process_group, group_src=group_src)
             continue
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        flat = flatten(members)
         dist.broadcast(flat, group=process_group, group_src=group_src)
-        _unflatten_into(flat, members)
-
-
-def _unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
+        for tensor, value in zip(members, unflatten(flat, members), strict=True):
+            tensor.copy_(value)
 
 
 def find_tensors(obj: object) -> list[Tensor]:
@@ -99,3 +95,15 @@ def find_tensors(obj: object) -> list[Tensor]:
     if isinstance(obj, dict):
         return [t for item in obj.values() for t in find_tensors(item)]
     return []
+
+
+def to_device(obj: object, device: torch.device) -> object:
+    """``obj`` with every tensor inside (lists, tuples, dicts) moved to ``device``."""
+    if isinstance(obj, Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        moved = [to_device(item, device) for item in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return type(obj)((key, to_device(value, device)) for key, value in obj.items())
+    return obj
