@@ -17,7 +17,7 @@ from ddpkit.parallel.compression import CommHook, make_hook
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.join import DataParallelJoinHook, agree_on_rank, agree_to_sync
 from ddpkit.parallel.reducer import Reducer
-from ddpkit.parallel.sync import broadcast_coalesced, find_tensors, to_device, verify_same_params
+from ddpkit.parallel.sync import broadcast_coalesced, find_tensors, map_tensors, verify_same_params
 from ddpkit.parallel.torch_hooks import TorchCommHook, check_comm_hook
 
 
@@ -148,13 +148,24 @@ class DataParallel(nn.Module, Joinable):
         if joining:
             agree_to_sync(self, will_sync)
         if self.device is not None:
-            inputs, kwargs = to_device((inputs, kwargs), self.device)
+            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
         output = self.module(*inputs, **kwargs)
         if will_sync:
             self.reducer.prepare_for_backward(find_tensors(output) if self.reducer.find_unused else [])
+            if self.reducer.recording:
+                output = self._sink(output)
         # torch DDP skips the buffer sync after a forward that did not sync (no_sync, no_grad).
         self.sync_buffers_next = will_sync and self.has_buffers_to_sync
         return output
+
+    def _sink(self, output: object) -> object:
+        # static_graph's first pass ends where the whole backward ends, which only a node on
+        # the outputs sees (a hook may fire inside a checkpoint's inner backward).
+        tensors = [t for t in find_tensors(output) if t.grad_fn is not None]
+        if not tensors:
+            return output
+        sunk = dict(zip(map(id, tensors), self.reducer.sink(tuple(tensors)), strict=True))
+        return map_tensors(output, lambda t: sunk.get(id(t), t))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
+from ddpkit.parallel.passes import all_reduce_used
 from ddpkit.parallel.sync import broadcast_coalesced
 
 if TYPE_CHECKING:
     from ddpkit.parallel.data_parallel import DataParallel
+    from ddpkit.parallel.reducer import Reducer
 
 
 def agree_on_rank(model: DataParallel, candidate: bool) -> int:
@@ -60,7 +62,7 @@ class DataParallelJoinHook(JoinHook):
         # The ranks still training set this from their own last forward; mirror it.
         model.sync_buffers_next = should_sync and model.has_buffers_to_sync
         if should_sync:
-            model.reducer.shadow_backward()
+            shadow_backward(model.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         model = self.model
@@ -69,3 +71,23 @@ class DataParallelJoinHook(JoinHook):
         broadcast_coalesced(state, model.process_group, src)
         # Leave join mode: later forwards outside the context send no more join all-reduces.
         model._join_config = _JoinConfig.construct_disabled_join_config()
+
+
+def shadow_backward(reducer: Reducer) -> None:
+    """On a rank that ran out of data: issue the collectives of one backward, with zeros.
+
+    Its own gradients are overwritten with zeros (the bucket buffers are reused); they are
+    stale anyway, and the final model is broadcast from a rank that kept training.
+    """
+    if reducer.uses_used_map:  # the training ranks start it before their first bucket
+        all_reduce_used([False] * len(reducer.params), reducer.params[0].device, reducer.group)[0].wait()
+    serial = getattr(reducer.hook, "serial", False)
+    for bucket in reducer.buckets:
+        bucket.zero_for_join()
+        bucket.launch(reducer.hook, reducer.group, reducer.world_size)
+        if serial:  # its Future's callbacks may start collectives: finish them first
+            bucket.wait()
+    for bucket in (b for b in reducer.buckets if b.launched):
+        bucket.wait()
+    if reducer.arrival is not None:
+        reducer.rebuild_pending = True

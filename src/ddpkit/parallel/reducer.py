@@ -3,16 +3,17 @@
 One synchronized backward pass, as a state machine:
 
     idle ---- prepare_for_backward (end of a forward that syncs) ----> armed (a new Pass)
-    armed --- first gradient hook: queue the end-of-backward callback,
-              start the used-map all-reduce and count unused parameters as ready -> reducing
+    armed --- first gradient hook: start the used-map all-reduce and count
+              unused parameters as ready -----------------------------> reducing
     reducing  each hook moves one gradient into its bucket; full buckets start their
               collective at once, strictly in bucket order (every rank must issue the
-              same collectives in the same order, or gloo pairs up the wrong ones)
+              same collectives in the same order, or gloo pairs up the wrong ones);
+              the last gradient queues the end-of-backward callback
     reducing - end-of-backward callback: wait for every bucket, write back -> idle
 
 The average is a sum of pre-scaled gradients: the default hook has each gradient multiplied by
-1 / world_size as it is copied into its bucket (torch DDP's own order of operations, so the
-rounding is the same), then the all-reduce sums in place.
+1 / world_size as it is copied into its bucket (torch DDP's order of operations, so the same
+rounding), then the all-reduce sums in place.
 
 find_unused_parameters: a parameter the forward's output cannot reach is counted as ready at
 the first hook, contributing whatever gradient it holds (zeros if none). Which parameters were
@@ -24,8 +25,8 @@ static_graph: the first synchronized pass only records how often each parameter'
 (activation checkpointing may fire it twice) and reduces everything at its end; later passes
 reduce a parameter when its hook has fired that often, with no graph walk and no used map.
 
-A pass that ends with a parameter still pending (it got no gradient and
-``find_unused_parameters`` is off) leaves an error that the next forward raises.
+A pass that started but never got all its gradients (a parameter got no gradient and
+``find_unused_parameters`` is off) is reported by the next forward, as torch's DDP does.
 """
 
 from __future__ import annotations
@@ -33,34 +34,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd import Variable
 
 from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.compression import CommHook
-from ddpkit.parallel.errors import DataParallelError
+from ddpkit.parallel.errors import ready_too_often, unfinished_pass
 from ddpkit.parallel.graph import reachable_params
-
-
-@dataclass
-class Pass:
-    """The state of one synchronized backward pass, from ``prepare_for_backward`` to its end.
-
-    Args:
-        expected: hook firings per parameter before its gradient is final (None: record them).
-        unused: parameters that will get no gradient in this pass.
-    """
-
-    expected: list[int] | None
-    unused: list[int]
-    fired: list[int] = field(default_factory=list)  # hook firings so far, per parameter
-    started: bool = False  # the first hook ran: callback queued, unused parameters counted
-    next_bucket: int = 0  # buckets are launched strictly in this order
-    used_map: tuple[dist.Work, Tensor] | None = None
+from ddpkit.parallel.passes import Pass, Sink, all_reduce_used
 
 
 class Reducer:
@@ -107,7 +90,6 @@ class Reducer:
         self.arrival: list[int] | None = [] if static_graph or not find_unused_parameters else None
         self.rebuild_pending = False
         self.current: Pass | None = None  # None: idle
-        self.error: DataParallelError | None = None
         self.locally_used = [False] * len(self.params)  # since the last synchronized pass
         self.static_counts: list[int] | None = None  # static_graph: hook firings per pass
         self.used_anywhere: list[bool] | None = None  # static_graph: the first pass's used map
@@ -151,29 +133,37 @@ class Reducer:
     # -- forward side ---------------------------------------------------------------------------
 
     def raise_pending_error(self) -> None:
-        """Raise the error the last backward pass left (a parameter that got no gradient)."""
-        error, self.error = self.error, None
-        if error is not None:
-            raise error
+        """Raise if the last backward pass started but some parameter never got its gradient."""
+        now, self.current = self.current, None
+        if now is None or not now.started or now.waiting == 0:
+            return
+        expected = now.expected or [1] * len(self.params)
+        missing = [self.names[i] for i, n in enumerate(now.fired) if n < expected[i] and i not in now.unused]
+        # Started collectives are left to finish on their own: waiting could hang if the ranks
+        # disagree on which buckets filled up.
+        for bucket in self.buckets:
+            bucket.abandon()
+        raise unfinished_pass(missing)
 
     def prepare_for_backward(self, outputs: Sequence[Tensor]) -> None:
         """Arm the hooks for the backward pass of the forward that produced ``outputs``."""
         for bucket in self.buckets:
             bucket.reset()
+        unused = []
         if self.static_graph:
-            expected, unused = self.static_counts, self.static_unused
-        else:
-            expected = [1] * len(self.params)
-            unused = []
-            if self.find_unused:
-                used = reachable_params(outputs)
-                unused = [i for i, p in enumerate(self.params) if id(p) not in used]
-        self.current = Pass(expected, unused, fired=[0] * len(self.params))
+            unused = [i for i, count in enumerate(self.static_counts or ()) if count == 0]
+        elif self.find_unused:
+            used = reachable_params(outputs)
+            unused = [i for i, p in enumerate(self.params) if id(p) not in used]
+        expected = self.static_counts if self.static_graph else [1] * len(self.params)
+        n = len(self.params)
+        self.current = Pass(expected, unused, fired=[0] * n, waiting=n)
 
-    @property
-    def static_unused(self) -> list[int]:
-        """static_graph: the parameters this rank's first pass gave no gradient."""
-        return [i for i, count in enumerate(self.static_counts or ()) if count == 0]
+    def sink(self, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """static_graph's first pass: route ``outputs`` through the node that ends the pass."""
+        assert self.recording and self.current is not None, "sink() is for static_graph's first pass"
+        now = self.current
+        return Sink.apply(lambda: now.queue_end(self._finish_pass), *outputs)
 
     def rebuild_buckets(self) -> bool:
         """Once, after the first pass: rebuild the buckets in the order gradients really arrived.
@@ -215,36 +205,29 @@ class Reducer:
                 self.arrival.append(index)
             return
         if now.fired[index] > now.expected[index]:
-            raise RuntimeError(
-                f"DataParallel: parameter {self.names[index]!r} received a gradient more often than "
-                f"expected ({now.fired[index]} > {now.expected[index]}) in one backward pass; call "
-                "backward once per forward (or run extra passes inside no_sync()), or pass "
-                "static_graph=True if activation checkpointing reuses it in one backward pass"
-            )
-        if now.fired[index] < now.expected[index]:
-            return
-        self._add(now, index, unused=False)
+            raise ready_too_often(self.names[index], now.fired[index], now.expected[index])
+        if now.fired[index] == now.expected[index]:
+            self._add(now, index, unused=False)
 
     def _add(self, now: Pass, index: int, unused: bool) -> None:
         if self.arrival is not None and not unused:
             self.arrival.append(index)
         bucket, pos = self.slots[index]
         full = bucket.add_unused(pos, self.copy_scale) if unused else bucket.add_grad(pos, self.copy_scale)
+        now.waiting -= 1
         if full:
             self._launch_ready(now)
+        if now.waiting == 0:
+            now.queue_end(self._finish_pass)
 
     def _start_pass(self, now: Pass) -> None:
         now.started = True
-        # Runs once the whole backward graph is done, on the thread that called backward().
-        Variable._execution_engine.queue_callback(self._finish_pass)
         if now.expected is None:
             return
         if self.uses_used_map:
             # Started before any bucket, so it overlaps with them; every rank starts it here.
-            used = list(self.locally_used)
-            for index in set(range(len(used))) - set(now.unused):
-                used[index] = True
-            now.used_map = _all_reduce_used(used, self)
+            used = [was_used or i not in now.unused for i, was_used in enumerate(self.locally_used)]
+            now.used_map = all_reduce_used(used, self.params[0].device, self.group)
         for index in now.unused:
             self._add(now, index, unused=True)
 
@@ -258,12 +241,10 @@ class Reducer:
 
     def _finish_pass(self) -> None:
         now, self.current = self.current, None
-        assert now is not None and now.started, "end-of-backward callback without a started pass"
+        assert now is not None and now.queued, "end-of-backward callback without a queued pass"
         if now.expected is None:
             self._end_recording(now)
-        if any(bucket.pending for bucket in self.buckets):
-            self._fail_pass(now)
-            return
+        assert now.waiting == 0, f"the pass ended with {now.waiting} gradient(s) not in their buckets"
         for bucket in self.buckets:  # in order: a serial hook's next bucket waits for this one
             if not bucket.launched:
                 bucket.launch(self.hook, self.group, self.world_size)
@@ -273,74 +254,32 @@ class Reducer:
             now.used_map[0].wait()
             used_anywhere = [count > 0 for count in now.used_map[1].tolist()]
             self.locally_used = [False] * len(self.params)
-        self._write_back(used_anywhere)
-        if self.arrival is not None:
-            self.rebuild_pending = True
-
-    def _end_recording(self, now: Pass) -> None:
-        """static_graph's first pass ends: keep its counts, then reduce everything at once."""
-        self.static_counts = list(now.fired)
-        # A gradient is final at its parameter's last hook: order by that.
-        last_first = dict.fromkeys(reversed(self.arrival or range(len(self.params))))
-        used_here = [i for i in reversed(last_first) if now.fired[i] > 0]
-        if self.arrival is not None:
-            self.arrival = used_here
-        work, used = _all_reduce_used(self.locally_used, self)
-        work.wait()
-        self.used_anywhere = [count > 0 for count in used.tolist()]
-        self.locally_used = [False] * len(self.params)
-        for index in used_here:
-            self.slots[index][0].add_grad(self.slots[index][1], self.copy_scale)
-        for index in self.static_unused:
-            self.slots[index][0].add_unused(self.slots[index][1], self.copy_scale)
-
-    def _write_back(self, used_anywhere: list[bool] | None) -> None:
         with torch.no_grad():
             for bucket in self.buckets:
                 for pos, index in enumerate(bucket.indices):
                     # Used on no rank: .grad stays exactly as it was, as in torch's DDP.
                     if used_anywhere is None or used_anywhere[index]:
                         bucket.write_back(pos, self.copy_scale)
-
-    def _fail_pass(self, now: Pass) -> None:
-        expected = now.expected or [1] * len(self.params)
-        missing = [self.names[i] for i, n in enumerate(now.fired) if n < expected[i] and i not in now.unused]
-        # The started collectives are left to finish on their own: waiting could hang if the
-        # ranks disagree on which buckets filled up.
-        for bucket in self.buckets:
-            bucket.abandon()
-        self.error = DataParallelError(
-            f"DataParallel: {len(missing)} parameter(s) got no gradient in the last backward pass, "
-            f"so their buckets were never reduced: {', '.join(missing[:8])}"
-            f"{' ...' if len(missing) > 8 else ''}. Pass find_unused_parameters=True to "
-            "DataParallel if the model leaves some parameters out of the loss, or remove them"
-        )
-
-    # -- join ------------------------------------------------------------------------------------
-
-    def shadow_backward(self) -> None:
-        """On a rank that ran out of data: issue the collectives of one backward, with zeros.
-
-        Its own gradients are overwritten with zeros (the bucket buffers are reused); they are
-        stale anyway, and the final model is broadcast from a rank that kept training.
-        """
-        if self.uses_used_map:
-            _all_reduce_used([False] * len(self.params), self)[0].wait()
-        for bucket in self.buckets:
-            bucket.zero_for_join()
-            bucket.launch(self.hook, self.group, self.world_size)
-            if getattr(self.hook, "serial", False):
-                bucket.wait()
-        for bucket in self.buckets:
-            if bucket.launched:
-                bucket.wait()
         if self.arrival is not None:
             self.rebuild_pending = True
 
-
-def _all_reduce_used(used: list[bool], reducer: Reducer) -> tuple[dist.Work, Tensor]:
-    flags = torch.tensor(used, dtype=torch.int32, device=reducer.params[0].device)
-    return dist.all_reduce(flags, group=reducer.group, async_op=True), flags
+    def _end_recording(self, now: Pass) -> None:
+        """static_graph's first pass ends: keep its counts, then fill every bucket at once."""
+        self.static_counts = list(now.fired)
+        work, used = all_reduce_used(self.locally_used, self.params[0].device, self.group)
+        work.wait()
+        self.used_anywhere = [count > 0 for count in used.tolist()]
+        self.locally_used = [False] * len(self.params)
+        # A gradient is final at its parameter's last hook: arrival is ordered by that.
+        last_first = dict.fromkeys(reversed(self.arrival or range(len(self.params))))
+        used_here = [i for i in reversed(last_first) if now.fired[i] > 0]
+        if self.arrival is not None:
+            self.arrival = used_here
+        for index in used_here:
+            self.slots[index][0].add_grad(self.slots[index][1], self.copy_scale)
+        for index in (i for i, count in enumerate(now.fired) if count == 0):
+            self.slots[index][0].add_unused(self.slots[index][1], self.copy_scale)
+        now.waiting = 0
 
 
 def _grad_hook(reducer: weakref.ref, index: int):

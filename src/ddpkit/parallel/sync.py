@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -97,13 +97,13 @@ def find_tensors(obj: object) -> list[Tensor]:
     return []
 
 
-def to_device(obj: object, device: torch.device) -> object:
-    """``obj`` with every tensor inside (lists, tuples, dicts) moved to ``device``."""
+def map_tensors(obj: object, fn: Callable[[Tensor], Tensor]) -> object:
+    """``obj`` with ``fn`` applied to every tensor inside (lists, tuples, namedtuples, dicts)."""
     if isinstance(obj, Tensor):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, (list, tuple)):
-        moved = [to_device(item, device) for item in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+        mapped = [map_tensors(item, fn) for item in obj]
+        return type(obj)(*mapped) if hasattr(obj, "_fields") else type(obj)(mapped)
     if isinstance(obj, dict):
-        return type(obj)((key, to_device(value, device)) for key, value in obj.items())
+        return type(obj)((key, map_tensors(value, fn)) for key, value in obj.items())
     return obj

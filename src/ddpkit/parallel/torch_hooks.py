@@ -14,7 +14,6 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.futures import Future
 
 from ddpkit.parallel.bucket import Bucket
 from ddpkit.parallel.flat import unflatten
@@ -59,7 +58,7 @@ class GradBucket:
 class _FutureHandle:
     """Waits for a hook's Future and leaves its value in the bucket's buffer."""
 
-    def __init__(self, future: Future, buffer: Tensor) -> None:
+    def __init__(self, future: torch._C.Future, buffer: Tensor) -> None:
         self.future, self.buffer = future, buffer
 
     def done(self) -> bool:
@@ -101,7 +100,7 @@ class TorchCommHook:
 
     def __call__(self, bucket: Bucket, process_group: dist.ProcessGroup, divisor: int) -> _FutureHandle:
         future = self.hook(self.state, GradBucket(bucket))
-        if not isinstance(future, Future):
+        if not isinstance(future, torch._C.Future):  # Work.get_future() makes the C++ type
             raise RuntimeError(
                 f"comm hook {_name(self.hook)} returned {type(future).__name__}; it must return a "
                 "torch.futures.Future holding the reduced bucket"
