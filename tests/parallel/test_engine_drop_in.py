@@ -74,9 +74,10 @@ def _grads(module: nn.Module) -> dict[str, Tensor | None]:
 
 
 def _state(module: nn.Module) -> dict[str, Tensor | None]:
-    return {**{f"param {n}": p.detach().clone() for n, p in module.named_parameters()}, **{
-        f"grad {n}": g for n, g in _grads(module).items()
-    }}
+    return {
+        **{f"param {n}": p.detach().clone() for n, p in module.named_parameters()},
+        **{f"grad {n}": g for n, g in _grads(module).items()},
+    }
 
 
 def _no_sync_used_once(engine: type, rank: int, gabv: bool) -> dict:
@@ -223,7 +224,9 @@ SCENARIOS: dict[str, Callable[[type, int], dict]] = {
 def _both(env) -> dict:
     results = {}
     for name, scenario in SCENARIOS.items():
-        results[name] = tuple(scenario(engine, env.rank) for engine in (DistributedDataParallel, DataParallel))
+        results[name] = tuple(
+            scenario(engine, env.rank) for engine in (DistributedDataParallel, DataParallel)
+        )
     results["pickled"] = _pickled(DataParallel, env.rank)
     return results
 

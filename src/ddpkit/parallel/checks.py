@@ -97,7 +97,11 @@ def check_devices(params: Sequence[nn.Parameter], device_ids, output_device) -> 
             )
         return None
     device = device_ids[0]
-    return torch.device(device) if not isinstance(device, int) else torch.device(next(iter(devices)).type, device)
+    return (
+        torch.device(device)
+        if not isinstance(device, int)
+        else torch.device(next(iter(devices)).type, device)
+    )
 
 
 def warn_deprecated(check_reduction: bool, static_graph: bool, find_unused_parameters: bool) -> None:

@@ -101,7 +101,8 @@ def make_hook(compression: str | CommHook | None) -> CommHook:
 
     Args:
         compression: None (full precision), ``"bf16"``, ``"fp16"``, ``"powersgd"``
-            (``PowerSGD()`` with its defaults), or any hook callable, such as ``PowerSGD(matrix_approximation_rank=4)``.
+            (``PowerSGD()`` with its defaults), or any hook callable, such as
+            ``PowerSGD(matrix_approximation_rank=4)``.
     """
     if compression is None:
         return PrescaledAllReduce()

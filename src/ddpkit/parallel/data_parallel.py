@@ -96,13 +96,17 @@ class DataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
         self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
-        self.first_bucket_bytes = int(checks.default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 2**20)
+        self.first_bucket_bytes = int(
+            checks.default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 2**20
+        )
         warn_if_oversubscribed(self.process_group, on_cpu=any(p.device.type == "cpu" for p in params))
         if init_sync:
             verify_same_params(module, self.process_group)
             # Replicas must start identical; rank 0's initialization wins.
             init_buffers = forward_sync_buffers is not None or broadcast
-            broadcast_coalesced(params + (_managed_buffers(module) if init_buffers else []), self.process_group, 0)
+            broadcast_coalesced(
+                params + (_managed_buffers(module) if init_buffers else []), self.process_group, 0
+            )
         self._hook = make_hook(compression)
         self._hook_is_set = compression is not None
         self.reducer = self._make_reducer()

@@ -43,7 +43,9 @@ class Pass:
             Variable._execution_engine.queue_callback(callback)
 
 
-def all_reduce_used(used: list[bool], device: torch.device, group: dist.ProcessGroup) -> tuple[dist.Work, Tensor]:
+def all_reduce_used(
+    used: list[bool], device: torch.device, group: dist.ProcessGroup
+) -> tuple[dist.Work, Tensor]:
     """Start summing the used map over the ranks: entry i > 0 when any rank used parameter i."""
     flags = torch.tensor(used, dtype=torch.int32, device=device)
     return dist.all_reduce(flags, group=group, async_op=True), flags

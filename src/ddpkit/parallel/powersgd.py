@@ -187,4 +187,3 @@ class _PowerSGDStep:
         if not state.warm_start:
             state.p_memory.clear()
             state.q_memory.clear()
-

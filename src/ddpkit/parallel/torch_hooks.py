@@ -113,20 +113,22 @@ def check_comm_hook(hook) -> None:
     annotations other than ``dist.GradBucket`` and ``Future[Tensor]``."""
     if not callable(hook):
         raise TypeError(f"Communication hook must be callable, got {type(hook).__name__}")
-    signature = inspect.signature(hook)
-    # A string annotation (``from __future__ import annotations``) cannot be checked; let it pass.
+    try:  # resolve string annotations (``from __future__ import annotations``)
+        signature = inspect.signature(hook, eval_str=True)
+    except Exception:  # names the hook's module cannot resolve: leave the strings, unchecked
+        signature = inspect.signature(hook)
     bucket = signature.parameters.get("bucket")
-    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket, *_strings(bucket)):
+    if bucket is not None and not _fits(bucket.annotation, dist.GradBucket):
         raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
-    returns = signature.return_annotation
-    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]) and not isinstance(returns, str):
+    if not _fits(signature.return_annotation, torch.futures.Future[torch.Tensor]):
         raise ValueError(
             "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]."
         )
 
 
-def _strings(parameter: inspect.Parameter) -> tuple[str, ...]:
-    return (parameter.annotation,) if isinstance(parameter.annotation, str) else ()
+def _fits(annotation: object, expected: object) -> bool:
+    # No annotation, the expected one, or a string that could not be resolved.
+    return annotation is inspect.Parameter.empty or annotation == expected or isinstance(annotation, str)
 
 
 def _name(hook) -> str:
