@@ -11,6 +11,7 @@ mean over the whole split.
 """
 
 import argparse
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -68,34 +69,46 @@ def load_train_objs(args) -> tuple:
 
 def main(args) -> None:
     run = ddpkit.Run(
-        out=args.out, global_batch=args.global_batch, micro_batch=args.micro_batch, save_every=args.save_every,
+        out=args.out, global_batch=args.global_batch, micro_batch=args.micro_batch,
+        save_every=args.save_every,
         steps=args.steps, engine=args.engine, log_every=1, log_samples=args.log_samples, progress=False,
     )  # fmt: skip
     dataset, model = load_train_objs(args)
+    untrained = copy.deepcopy(model)  # run.setup loads a resumed run's weights into model
     model = run.setup(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     run.track(optimizer=optimizer, scheduler=scheduler)
     train_data = run.loader(dataset, num_workers=args.num_workers, persistent_workers=args.num_workers > 0)
-    held_out = MyTrainDataset(args.size, noise=0.0)  # the same samples, without augmentation
-    before = run.evaluate(held_out, lambda batch: F.mse_loss(model(batch[0]), batch[1]))["value"]
     Trainer(run, model, train_data, optimizer, scheduler).train(args.epochs)
-    check(run, model, held_out, before)
+    held_out = MyTrainDataset(args.size, noise=0.0)  # the same samples, without augmentation
+    check(run, model, held_out, mse_alone(untrained.to(run.device), held_out, run.device))
     run.finish()
+
+
+def mse_alone(model: nn.Module, dataset: Dataset, device: torch.device) -> float:
+    """One process's mean squared error over the whole split, in one batch."""
+    model.eval()
+    with torch.no_grad():
+        xs, ys = zip(*(dataset[i] for i in range(len(dataset))), strict=True)
+        mse = F.mse_loss(model(torch.stack(xs).to(device)), torch.stack(ys).to(device)).item()
+    model.train()
+    return mse
 
 
 def check(run: ddpkit.Run, model: nn.Module, dataset: Dataset, before: float) -> None:
     """The loss fell, and the exact distributed mean equals one process's mean over the split."""
     exact = run.evaluate(dataset, lambda batch: F.mse_loss(model(batch[0]), batch[1]), batch_size=7)
-    bare = model.module.eval()
-    with torch.no_grad():
-        xs, ys = zip(*(dataset.data[i] for i in range(len(dataset))), strict=True)
-        alone = F.mse_loss(bare(torch.stack(xs).to(run.device)), torch.stack(ys).to(run.device)).item()
-    bare.train()
+    alone = mse_alone(model.module, dataset, run.device)
     assert exact["samples"] == len(dataset), f"evaluated {exact['samples']} of {len(dataset)} samples"
-    assert abs(exact["value"] - alone) <= 1e-5 * alone, f"distributed mean {exact['value']} != one process's {alone}"
+    assert abs(exact["value"] - alone) <= 1e-5 * alone, (
+        f"distributed mean {exact['value']} != one process's {alone}"
+    )
     assert exact["value"] < before, f"the loss did not fall: {before} -> {exact['value']}"
-    run.print(f"own_loop: step {run.step} on {run.env.world_size} processes; mse {before:.4f} -> {exact['value']:.4f}")
+    run.print(
+        f"own_loop: step {run.step} on {run.env.world_size} processes; "
+        f"mse {before:.4f} -> {exact['value']:.4f}"
+    )
 
 
 def parse(argv=None):

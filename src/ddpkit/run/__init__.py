@@ -7,4 +7,12 @@ from ddpkit.run.optim import OptimConfig
 from ddpkit.run.run import Run
 from ddpkit.run.state import CheckpointConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "DiagnosticsConfig", "EngineConfig", "Loader", "OptimConfig", "Run"]
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "DiagnosticsConfig",
+    "EngineConfig",
+    "Loader",
+    "OptimConfig",
+    "Run",
+]

@@ -63,7 +63,9 @@ def evaluate(
     total = sum(n for _, n in everyone)
     names = sorted({name for part, _ in everyone for name in part})
     sums = {name: sum(part.get(name, 0.0) for part, _ in everyone) for name in names}
-    return {name: value / total if reduce == "mean" else value for name, value in sums.items()} | {"samples": total}
+    return {name: value / total if reduce == "mean" else value for name, value in sums.items()} | {
+        "samples": total
+    }
 
 
 def _local_sums(loader: DataLoader, fn: Callable, device: torch.device) -> tuple[dict[str, float], int]:

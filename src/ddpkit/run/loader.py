@@ -179,18 +179,18 @@ class Loader:
         return len(plan_epoch(self.sampler, self.micro_batch))
 
     def __iter__(self) -> Iterator[Any]:
-        self.run._start_epoch(self)
+        self.run._start_epoch()
         plan = plan_epoch(self.sampler, self.micro_batch)
         self._plan_sampler.plan = plan
         self._generator.manual_seed(hash((self.sampler.seed, self.epoch, self.sampler.state.consumed)))
         batches = iter(self.dataloader)
         for micro in plan:
-            if micro.first and not self.run._begin_step():
+            if micro.first and not self.run.cycle.begin(self):
                 return  # the run's step limit is reached
             batch = self.run._fetch(batches)
-            self.run._enter_micro(micro)
+            self.run.cycle.enter(micro)
             yield to_device(batch, self.run.device)
-        self.run._end_epoch()
+        self.run.cycle.finish()
 
     def state_dict(self) -> dict:
         """The position: samples of the current epoch the world has consumed (not prefetched)."""

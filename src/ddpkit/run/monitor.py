@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm import tqdm
@@ -187,7 +186,12 @@ class Monitor:
         if self.cfg.rank_table_every and step % self.cfg.rank_table_every == 0:
             log.info("%s", rank_table(step, record["ranks"]))
         for rank, factor in stragglers(record["ranks"]):
-            log.warning("step %d: rank %d is a straggler: data + compute took %.1fx the other ranks' median", step, rank, factor)
+            log.warning(
+                "step %d: rank %d is a straggler: data + compute took %.1fx the other ranks' median",
+                step,
+                rank,
+                factor,
+            )
 
     def close(self, plot: bool) -> None:
         """Stop the watchdog and the bar; on rank 0 draw OUT/loss.png from the whole metrics file."""

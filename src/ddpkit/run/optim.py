@@ -21,7 +21,7 @@ from torch import nn
 from ddpkit.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ddpkit.run.run import Run
+    from ddpkit.run.steps import StepCycle
 
 NONFINITE = ("stop", "skip")
 
@@ -49,22 +49,22 @@ class OptimConfig:
 class _GatedOptimizer:
     """Mixed in before the user's optimizer class by ``gate``."""
 
-    _ddpkit_run: Run
+    _ddpkit_cycle: StepCycle
 
     def step(self, closure: Callable | None = None) -> Any:
-        run = self._ddpkit_run
-        if run._accumulating():
+        cycle = self._ddpkit_cycle
+        if cycle.accumulating:
             return None  # not the step's last micro-batch: keep accumulating
         if getattr(self, "_ddpkit_inner", False):  # the GradScaler calling back in
             return super().step(closure)
         self._opt_called = True  # what torch's LR schedulers check before warning
         self._ddpkit_stepped = True
-        return run._optimizer_step(self, super().step, closure)
+        return cycle.optimizer_step(self, super().step, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Clear only at a step boundary: before the step's first backward, or once this
         # optimizer has stepped. In between, the micro-batches' gradients are accumulating.
-        if self._ddpkit_run._step_has_backward and not getattr(self, "_ddpkit_stepped", False):
+        if self._ddpkit_cycle.has_backward and not getattr(self, "_ddpkit_stepped", False):
             return
         self._ddpkit_stepped = False
         super().zero_grad(set_to_none)
@@ -82,10 +82,10 @@ _GatedOptimizer.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 class _GatedScheduler:
     """Mixed in before the user's LR scheduler class by ``gate``."""
 
-    _ddpkit_run: Run
+    _ddpkit_cycle: StepCycle
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._ddpkit_run._accumulating():
+        if self._ddpkit_cycle.accumulating:
             return None
         return super().step(*args, **kwargs)
 
@@ -111,7 +111,7 @@ def _rebuild(cls: type, state: dict) -> object:
 _CLASSES: dict[type, type] = {}
 
 
-def gate(obj: object, run: Run) -> None:
+def gate(obj: object, cycle: StepCycle) -> None:
     """Make an optimizer or LR scheduler step only at step boundaries; other objects are left alone."""
     if isinstance(obj, torch.optim.Optimizer):
         mixin = _GatedOptimizer
@@ -128,7 +128,7 @@ def gate(obj: object, run: Run) -> None:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
     obj.__class__ = _CLASSES[cls]
-    obj._ddpkit_run = run
+    obj._ddpkit_cycle = cycle
 
 
 def total_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from ddpkit.checkpoint.files import save_weights as _save_atomic
 from ddpkit.data.sampler import GlobalBatchSampler
@@ -17,7 +28,14 @@ from ddpkit.run.loader import DataConfig, dataloader_kwargs
 from ddpkit.train.config import check_split
 
 # DataLoader attributes that run.loader carries over from a DataLoader the user built.
-_CARRIED = ("num_workers", "collate_fn", "pin_memory", "persistent_workers", "worker_init_fn", "multiprocessing_context")
+_CARRIED = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "persistent_workers",
+    "worker_init_fn",
+    "multiprocessing_context",
+)
 _DEFAULTS = {
     "num_workers": 0,
     "collate_fn": None,
@@ -90,11 +108,19 @@ def _check_own_sampler(loader: DataLoader) -> None:
         )
 
 
-def make_sampler(dataset: Dataset, global_batch: int, env: DistEnv, cfg: DataConfig, seed: int, shuffle: bool):
+def make_sampler(
+    dataset: Dataset, global_batch: int, env: DistEnv, cfg: DataConfig, seed: int, shuffle: bool
+):
     """The run's GlobalBatchSampler, after checking that the global batch splits over the ranks."""
     check_split(global_batch, env.world_size)
     return GlobalBatchSampler(
-        len(dataset), global_batch, env.rank, env.world_size, seed=seed, shuffle=shuffle, drop_last=cfg.drop_last
+        len(dataset),
+        global_batch,
+        env.rank,
+        env.world_size,
+        seed=seed,
+        shuffle=shuffle,
+        drop_last=cfg.drop_last,
     )
 
 
@@ -102,3 +128,28 @@ def save_weights(module: nn.Module, path: Path) -> None:
     """Rank 0: the bare model's state_dict to ``path`` (loadable with ``weights_only=True``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _save_atomic(module.state_dict(), path)
+
+
+def check_args(out: object, steps: int | None, save_every: int) -> None:
+    """Refuse ``ddpkit.Run`` arguments that cannot work together, before joining any process group."""
+    if steps is not None and steps < 1:
+        raise ConfigError(f"steps={steps} is below 1; use a positive number, or None to loop over epochs")
+    if out is not None and not str(out).strip():
+        raise ConfigError("out='' names no folder; pass a folder such as 'runs/mine', or None for no files")
+    if out is None and save_every:
+        raise ConfigError(f"save_every={save_every} needs out=FOLDER to write checkpoints into")
+
+
+def kind_of(obj: Any) -> str:
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return "scheduler"
+    return "scaler" if isinstance(obj, torch.amp.GradScaler) else type(obj).__name__.lower()
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank: identical model init, so the engine's broadcast changes nothing."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

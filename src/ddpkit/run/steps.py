@@ -1,0 +1,155 @@
+"""The step cycle of a Run: what happens between micro-batches and at each step boundary.
+
+The training loader drives it. At a step's first micro-batch the previous step is closed:
+the loader's position moves to what that step consumed, the metrics line is written when due,
+replicas are fingerprinted when due, and a checkpoint is written when due. Every one of those
+collectives happens at the same boundary on every rank. Between micro-batches the cycle tells
+the engines whether the next backward synchronizes (only a step's last does) and the gated
+optimizers whether to step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.diagnostics import check_replicas_agree
+from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
+from ddpkit.run import state
+from ddpkit.run.engine import set_grad_sync, unwrap
+from ddpkit.run.loader import Loader, Micro
+from ddpkit.run.monitor import Monitor
+from ddpkit.run.optim import OptimConfig, optimizer_params, total_norm
+from ddpkit.run.state import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+
+class StepCycle:
+    """One rank's position in the run: the step, the micro-batch, and what each boundary does.
+
+    Args:
+        env: this process's distributed environment.
+        monitor: timings, metrics lines and the hang watchdog's phases.
+        models: name -> wrapped model, filled by ``Run.setup``.
+        objects: name -> what a checkpoint holds, filled by ``Run.setup/track/loader``.
+        out: the run's folder (None: no files).
+        ckpt_cfg: when to checkpoint.
+        optim_cfg: clipping and non-finite gradients.
+        scaler: the fp16 GradScaler (disabled otherwise).
+        steps: the last step to run, or None.
+        step: the step the run starts after (a resumed checkpoint's).
+    """
+
+    def __init__(
+        self, env: DistEnv, monitor: Monitor, models: dict[str, nn.Module], objects: dict[str, Any],
+        out: Path | None, ckpt_cfg: CheckpointConfig, optim_cfg: OptimConfig,
+        scaler: torch.amp.GradScaler, steps: int | None, step: int,
+    ) -> None:  # fmt: skip
+        self.env, self.monitor, self.models, self.objects, self.out = env, monitor, models, objects, out
+        self.ckpt_cfg, self.optim_cfg, self.scaler, self.steps = ckpt_cfg, optim_cfg, scaler, steps
+        self.step, self.saved_step, self.skipped_steps = step, step, 0
+        self.loader: Loader | None = None
+        self.micro: Micro | None = None
+        self.open = self.has_backward = self.save_now = False
+        self.indices: list[int] = []
+
+    @property
+    def accumulating(self) -> bool:
+        """True on a step's micro-batches before its last: optimizers and schedulers wait."""
+        return self.micro is not None and not self.micro.last
+
+    def begin(self, loader: Loader) -> bool:
+        """Close the previous step and open the next; False once the run's last step is done."""
+        self.finish()
+        if self.steps is not None and self.step >= self.steps:
+            return False
+        self.loader, self.step = loader, self.step + 1
+        self.open, self.has_backward, self.indices = True, False, []
+        self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
+        return True
+
+    def enter(self, micro: Micro) -> None:
+        """The loop is about to get ``micro``'s batch."""
+        self.micro = micro
+        self.monitor.window.samples += micro.samples
+        if micro.samples:
+            self.indices += micro.indices
+        if micro.first or micro.last:  # no_sync on all but the step's last micro-batch
+            set_grad_sync(list(self.models.values()), micro.last)
+
+    def finish(self, last: bool = False) -> None:
+        """Close the open step (its position, log line, fingerprint check, checkpoint)."""
+        ended = self.open
+        if ended:
+            self.scaler.update()
+            self.loader.sampler.advance_to(self.micro.consumed)
+            self.monitor.samples_taken(self.step, self.indices)
+            self.micro, self.open, self.has_backward = None, False, False
+        last = last or (self.steps is not None and self.step >= self.steps)
+        if not ended and not last:
+            return
+        self.monitor.step_done(self.step, ended, last, self._extra())
+        check_every = self.monitor.cfg.check_every
+        if check_every and ended and (self.step % check_every == 0 or last):
+            self.monitor.phase(self.step, "check: replica fingerprint all_gather")
+            for name, model in self.models.items():
+                check_replicas_agree(unwrap(model), self.env, f"at step {self.step} ({name})", buffers=False)
+        every = self.ckpt_cfg.save_every
+        if (self.save_now or (every and (self.step % every == 0 or last))) and self.saved_step != self.step:
+            self.checkpoint()
+
+    def _extra(self) -> dict:
+        extra = {"epoch": self.loader.epoch if self.loader else 0, "skipped_steps": self.skipped_steps}
+        optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+        return extra | ({"lr": optimizers[0].param_groups[0]["lr"]} if optimizers else {})
+
+    def checkpoint(self) -> None:
+        """Write every registered object's state at this step. Collective."""
+        if self.out is None:
+            raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
+        self.save_now, self.saved_step = False, self.step
+        self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
+        path = state.save(
+            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg.keep_last
+        )
+        if path is not None:
+            log.info("saved %s", path)
+
+    def restore(self, path: str, saved: dict) -> None:
+        """At the loop's first batch: every registered object gets its part of the checkpoint."""
+        state.check_names(path, saved["state"], list(self.objects))
+        state.restore(self.objects, saved, self.env.rank)
+        for name, model in self.models.items():
+            check_replicas_agree(unwrap(model), self.env, f"after loading {path} ({name})")
+        if self.env.is_rank0:
+            print(f"ddpkit: resumed from {path} at step {self.step}", flush=True)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any, closure: Any) -> Any:
+        """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(optimizer)  # clip and check the true gradient
+        norm = total_norm(optimizer_params(optimizer), self.optim_cfg.grad_clip)
+        if self.scaler.is_enabled():  # the GradScaler skips non-finite steps itself
+            optimizer._ddpkit_inner = True
+            try:
+                return self.scaler.step(optimizer)
+            finally:
+                optimizer._ddpkit_inner = False
+        # The norm is of the all-reduced gradient, the same on every rank: all decide alike.
+        if torch.isfinite(norm):
+            return step(closure)
+        if self.optim_cfg.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"step {self.step}: the gradient norm is {norm.item()} on every rank; lower the learning "
+                "rate or check the data, or pass on_nonfinite='skip' to skip such steps"
+            )
+        self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, norm.item())
+        return None

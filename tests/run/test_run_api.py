@@ -1,0 +1,185 @@
+"""ddpkit.Run's promises, checked against one process on the whole global batch, and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ddpkit
+from ddpkit.data.sampler import GlobalBatchSampler
+from ddpkit.errors import ConfigError
+
+
+def _data(n: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(n, 6, generator=gen), torch.randn(n, 2, generator=gen))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _train(out, n: int, global_batch: int, micro_batch: int | None, zero_last: bool) -> dict:
+    """One epoch of a user loop; ``zero_last`` calls zero_grad after step instead of before backward."""
+    run = ddpkit.Run(out=out, global_batch=global_batch, micro_batch=micro_batch, progress=False, seed=5)
+    model = run.setup(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    run.track(optimizer, scheduler)
+    lrs = []
+    for x, y in run.loader(_data(n)):
+        if not zero_last:
+            optimizer.zero_grad()
+        run.backward(F.mse_loss(model(x), y))
+        lrs.append((run.step, optimizer.param_groups[0]["lr"]))  # the same for each micro-batch of a step
+        optimizer.step()
+        scheduler.step()
+        if zero_last:
+            optimizer.zero_grad()
+    weights = {k: v.clone() for k, v in model.module.state_dict().items()}
+    run.finish()
+    return {
+        "weights": weights,
+        "lrs": list(dict(lrs).values()),
+        "steps": run.step,
+        "momentum": "momentum_buffer" in optimizer.state[optimizer.param_groups[0]["params"][0]],
+    }
+
+
+def _reference(n: int, global_batch: int) -> tuple[dict, list[float]]:
+    """The same epoch in one process, one plain step per global batch."""
+    data, model = _data(n), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    sampler, lrs = GlobalBatchSampler(n, global_batch, 0, 1, seed=5), []
+    for batch in sampler.epoch_batches():
+        x, y = data[batch]
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return model.state_dict(), lrs
+
+
+@pytest.mark.parametrize(
+    ("world", "n", "global_batch", "micro_batch", "zero_last"),
+    [
+        (
+            2,
+            21,
+            10,
+            2,
+            False,
+        ),  # shares of 5 in micro-batches 2+2+1; the last global batch (1) leaves rank 1 empty
+        (3, 20, 9, None, True),  # the last batch of 2 leaves rank 2 empty; zero_grad after step
+        (1, 21, 10, 3, True),
+    ],
+)
+def test_an_epoch_equals_one_process_on_each_global_batch(
+    tmp_path, world, n, global_batch, micro_batch, zero_last
+):
+    ranks = ddpkit.launch(_train, world, (str(tmp_path / "run"), n, global_batch, micro_batch, zero_last))
+    expected, lrs = _reference(n, global_batch)
+    for result in ranks:
+        assert result["steps"] == len(lrs)
+        assert result["lrs"] == lrs, "the user's LambdaLR must step once per global batch"
+        assert result["momentum"], "the user's SGD with momentum must be the optimizer that steps"
+        for name, value in expected.items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _evaluate(n: int) -> dict:
+    run = ddpkit.Run(progress=False)
+    data = _data(n)
+    try:
+        return run.evaluate(
+            data, lambda batch: {"x0": batch[0][:, 0].mean(), "y": batch[1].mean()}, batch_size=3
+        )
+    finally:
+        run.finish()
+
+
+def test_evaluate_is_exact_over_uneven_shards():
+    n = 10  # 4, 3 and 3 samples on three ranks; batches of 3 leave partial ones
+    results = ddpkit.launch(_evaluate, 3, (n,))
+    x, y = _data(n).tensors
+    for result in results:
+        assert result["samples"] == n
+        assert result["x0"] == pytest.approx(x[:, 0].mean().item(), abs=1e-6)
+        assert result["y"] == pytest.approx(y.mean().item(), abs=1e-6)
+
+
+def _differs_on_rank1() -> None:
+    run = ddpkit.Run(progress=False)
+    try:
+        torch.manual_seed(run.env.rank)  # a per-rank seed after Run seeded everyone alike
+        run.setup(nn.Linear(3, 3))
+    finally:
+        run.close()
+
+
+def test_a_model_that_differs_between_ranks_is_one_clear_error():
+    with pytest.raises(
+        ddpkit.LaunchError, match=r"replicas differ at run.setup.*ranks \[1\].*do not seed per rank"
+    ):
+        ddpkit.launch(_differs_on_rank1, 2)
+
+
+def _non_finite() -> None:
+    run = ddpkit.Run(global_batch=4, progress=False)
+    try:
+        model = run.setup(nn.Linear(6, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        run.track(optimizer)
+        for x, y in run.loader(_data(8)):
+            run.backward(F.mse_loss(model(x), y) * float("inf"))
+            optimizer.step()
+    finally:
+        run.close()
+
+
+def test_a_non_finite_gradient_stops_every_rank_naming_the_step():
+    with pytest.raises(ddpkit.LaunchError, match=r"step 1: the gradient norm is (inf|nan) on every rank"):
+        ddpkit.launch(_non_finite, 2)
+
+
+def _saved_run(out: str, with_scheduler: bool) -> None:
+    with ddpkit.Run(out=out, global_batch=4, save_every=1, progress=False) as run:  # closed on errors too
+        model = run.setup(nn.Linear(6, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.track(optimizer, *([torch.optim.lr_scheduler.StepLR(optimizer, 1)] if with_scheduler else []))
+        for x, y in run.loader(_data(8)):
+            optimizer.zero_grad()
+            run.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+
+
+def test_a_resume_whose_checkpoint_holds_other_objects_is_refused(tmp_path):
+    _saved_run(str(tmp_path), with_scheduler=True)
+    with pytest.raises(ConfigError, match=r"holds \['scheduler'\], which this run did not register"):
+        _saved_run(str(tmp_path), with_scheduler=False)
+
+
+def test_bad_input_is_one_line_naming_the_value_and_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown options \['global_bach'\]"):
+        ddpkit.Run(global_bach=3)
+    with pytest.raises(ConfigError, match=r"out='' names no folder"):
+        ddpkit.Run(out="")
+    with pytest.raises(ConfigError, match=r"save_every=5 needs out=FOLDER"):
+        ddpkit.Run(save_every=5)
+    run = ddpkit.Run(progress=False)
+    try:
+        with pytest.raises(ConfigError, match=r"needs global_batch=N"):
+            run.loader(_data(8))
+        sampled = DataLoader(
+            _data(8), batch_size=4, sampler=DistributedSampler(_data(8), num_replicas=1, rank=0)
+        )
+        with pytest.raises(ConfigError, match=r"replaces the DataLoader's sampler \(DistributedSampler\)"):
+            run.loader(sampled)
+    finally:
+        run.close()
