@@ -106,6 +106,27 @@ def init_distributed(
     return env
 
 
+def current_env() -> DistEnv:
+    """The DistEnv of a process group that already exists (a script that called init_process_group).
+
+    Ranks come from the group itself; the node layout from the launcher's variables.
+    """
+    found = read_launcher_vars()
+    backend = dist.get_backend()
+    local_rank = found.local_rank if found.local_world_size > 1 else 0
+    return DistEnv(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        local_world_size=max(found.local_world_size, local_rank + 1),
+        node_rank=found.node_rank,
+        device=_device_for(backend, local_rank),
+        backend=backend,
+        launcher=found.launcher,
+        restart_count=found.restart_count,
+    )
+
+
 def _init_group(
     backend: str, init_method: str | None, rank: int, world_size: int, timeout: timedelta
 ) -> None:

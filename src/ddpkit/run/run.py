@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit.dist import destroy, init_distributed
+from ddpkit.dist import current_env, destroy, init_distributed
 from ddpkit.errors import ConfigError
 from ddpkit.logs import setup_logging
 from ddpkit.run import state
@@ -107,7 +107,13 @@ class Run:
         check_args(out, steps, self.ckpt_cfg.save_every)
         self.out, self.seed = (Path(out) if out is not None else None), seed
         timeout = max(startup_timeout, self.diag_cfg.collective_timeout + 120)  # the report comes first
-        self.env = init_distributed(backend, timeout=timedelta(seconds=timeout))
+        # A script that joined a process group itself keeps it: the run neither creates nor destroys it.
+        self._owns_group = not torch.distributed.is_initialized()
+        self.env = (
+            init_distributed(backend, timeout=timedelta(seconds=timeout))
+            if self._owns_group
+            else current_env()
+        )
         self.device = self.env.device
         setup_logging(self.env)
         seed_everything(seed)
@@ -280,7 +286,8 @@ class Run:
         self._finished = True
         atexit.unregister(self._finish_at_exit)
         self.monitor.close(plot)
-        destroy()
+        if self._owns_group:
+            destroy()
 
     def _finish_at_exit(self) -> None:
         # Only after a loop that ended normally: a rank leaving through an exception must not

@@ -105,7 +105,10 @@ class StepCycle:
             self.checkpoint()
 
     def _extra(self) -> dict:
-        extra = {"epoch": self.loader.epoch if self.loader else 0, "skipped_steps": self.skipped_steps}
+        extra = {
+            "epoch": self.loader.epoch if self.loader is not None else 0,
+            "skipped_steps": self.skipped_steps,
+        }
         optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
         return extra | ({"lr": optimizers[0].param_groups[0]["lr"]} if optimizers else {})
 

@@ -1,0 +1,123 @@
+"""The training loops ``ddpkit bench trainer`` times side by side, each over its own copy of one model.
+
+- ``HandLoop``: the seeds' hand-written DDP loop: torch's DataLoader with a DistributedSampler,
+  ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``.
+- ``RunLoop``: the same loop on ``ddpkit.Run`` with every default diagnostic on (hang watchdog,
+  per-rank timings, metrics.jsonl, replica fingerprints, non-finite check).
+
+Both use the same AdamW, the same warmup-cosine learning rate and the same clipping, so they do
+the same arithmetic; each ``run(steps)`` times whole steps, data loading included.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import ddpkit
+from ddpkit.train.schedule import warmup_cosine
+from ddpkit.train.trainer import make_optimizer
+
+
+class SlowData(Dataset):
+    """A dataset whose every sample costs ``ms`` milliseconds of CPU, like decoding an image."""
+
+    def __init__(self, dataset: Dataset, ms: float) -> None:
+        self.dataset, self.seconds = dataset, ms / 1000
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        end = time.process_time() + self.seconds
+        while time.process_time() < end:
+            pass
+        return self.dataset[index]
+
+
+def _lr_factor(cfg):
+    return lambda step: warmup_cosine(step + 1, 1.0, cfg.warmup_steps, cfg.steps)
+
+
+class HandLoop:
+    """The tutorial loop, with the same schedule and clipping as the others."""
+
+    def __init__(self, job, dataset: Dataset, cfg, env, num_workers: int) -> None:
+        self.cfg, self.loss_fn = cfg, job.loss_fn
+        self.model = DistributedDataParallel(copy.deepcopy(job.model))
+        self.optimizer = make_optimizer(self.model.module, cfg.lr, cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(cfg))
+        self.sampler = DistributedSampler(dataset, env.world_size, env.rank, shuffle=True, seed=cfg.seed)
+        self.loader = DataLoader(
+            dataset, batch_size=cfg.global_batch // env.world_size, sampler=self.sampler,
+            num_workers=num_workers, persistent_workers=num_workers > 0,
+        )  # fmt: skip
+        self.batches = iter(self.loader)
+        self.epoch, self.times = 0, []
+
+    def _next_batch(self):
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.epoch += 1
+            self.sampler.set_epoch(self.epoch)
+            self.batches = iter(self.loader)
+            return next(self.batches)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            start = time.perf_counter()
+            x, y = self._next_batch()
+            loss = self.loss_fn(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.times.append(time.perf_counter() - start)
+
+
+class RunLoop:
+    """The same loop on ddpkit.Run, as a user would write it (defaults on, metrics to ``out``)."""
+
+    def __init__(self, job, dataset: Dataset, cfg, out: str, num_workers: int) -> None:
+        self.loss_fn = job.loss_fn
+        self.ddpkit_run = ddpkit.Run(
+            out=out, global_batch=cfg.global_batch, grad_clip=cfg.grad_clip, progress=False
+        )
+        model = copy.deepcopy(job.model)
+        self.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
+        self.model = self.ddpkit_run.setup(model, self.optimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(cfg))
+        self.ddpkit_run.track(self.scheduler)
+        self.loader = self.ddpkit_run.loader(
+            dataset, num_workers=num_workers, persistent_workers=num_workers > 0
+        )
+        self.batches = iter(self.loader)
+        self.times = []
+
+    def _next_batch(self):
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.batches = iter(self.loader)  # the loader moves to the next epoch by itself
+            return next(self.batches)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            start = time.perf_counter()
+            x, y = self._next_batch()
+            loss = self.loss_fn(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ddpkit_run.backward(loss)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.times.append(time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.ddpkit_run.finish()
