@@ -21,6 +21,9 @@ EXPECTED = {
     "ddp_model_parallel",
     "mingpt",
     "mnist_convnet",
+    "own_loop",
+    "hf_style",
+    "gan",
 }
 
 
