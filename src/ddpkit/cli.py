@@ -166,7 +166,7 @@ def cmd_run(argv: list[str]) -> int:
         return 2
     ns = parser.parse_args(argv)
     check_script(ns)
-    run_elastic(ns)
+    run_elastic(ns, collective_timeout=ns.collective_timeout)
     return 0
 
 

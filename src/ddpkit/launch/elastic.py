@@ -8,7 +8,6 @@ starts, and turns a worker failure into a short report naming the rank.
 from __future__ import annotations
 
 import argparse
-import os
 import uuid
 from pathlib import Path
 
@@ -20,8 +19,15 @@ from torch.distributed.launcher.api import elastic_launch
 from ddpkit.dist import cpu_cores
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import WorkerFailure
+from ddpkit.launch.monitor import HangMonitor
 from ddpkit.launch.ports import check_port_free
 from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
+from ddpkit.launch.workerenv import environment, run_directory, worker_variables
+from ddpkit.launch.workerview import write_exit_stacks
+
+# Generous: a collective rarely waits minutes in a healthy job. Below gloo's own 30 minutes, so the
+# report comes before torch's timeout error; NCCL's watchdog (10 minutes) ends a GPU hang first.
+DEFAULT_COLLECTIVE_TIMEOUT = 900.0
 
 # The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
 LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
@@ -106,6 +112,13 @@ def run_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="short for --nproc-per-node; auto = GPU count, or one per CPU core",
     )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT,
+        help="seconds a collective may wait before the launcher reports which ranks did not reach it, "
+        "with every rank's stack, and ends the run (0: off)",
+    )
     return parser
 
 
@@ -182,41 +195,66 @@ def check_script(ns: argparse.Namespace) -> None:
         raise ConfigError(f"script {ns.training_script!r} does not exist; give the path of a Python file")
 
 
-def set_thread_default(nproc: int) -> None:
-    """Share the cores among the workers (torchrun would give each worker a single thread)."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
-
-
-def launch_agent(ns: argparse.Namespace) -> None:
-    """``torchrun.run(ns)``, with multi-node rendezvous through ddpkit's checked variants.
+def launch_agent(ns: argparse.Namespace, monitor: HangMonitor) -> None:
+    """``torchrun.run(ns)``, with every rendezvous through ddpkit's checked, bound variants.
 
     The same steps as torchrun's ``run``: a single node without an address gets a private c10d
-    rendezvous on a free local port; otherwise static and c10d are swapped for the variants in
-    ``ddpkit.launch.rendezvous``, which turn bad multi-node input into one-line errors.
+    rendezvous on a free local port; static and c10d are swapped for the variants in
+    ``ddpkit.launch.rendezvous``, which turn bad multi-node input into one-line errors, listen on
+    one address (loopback for one node) and give the workers a fresh store per round.
     """
     _, high = nnodes_range(ns.nnodes)
     single = ns.rdzv_backend == "static" and not ns.rdzv_endpoint and ns.master_port is None and high == 1
     if ns.standalone or single:
         ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        ns.nnodes = "1"
     if ns.master_port is None:
         ns.master_port = 29500  # torchrun's default; only the static rendezvous uses it
     config, entrypoint, args = torchrun.config_from_args(ns)
-    if not (ns.standalone or single):
-        config.rdzv_backend = checked_backend(config.rdzv_backend)
+    config.rdzv_backend = checked_backend(config.rdzv_backend)
+    config.rdzv_configs["ddpkit_hooks"] = monitor  # read by the rendezvous factories: on_round
     elastic_launch(config, entrypoint)(*args)
 
 
-def run_elastic(ns: argparse.Namespace) -> None:
+def run_elastic(ns: argparse.Namespace, collective_timeout: float = 0.0) -> None:
     """Start the workers under torchrun's elastic agent and wait for them.
+
+    Args:
+        ns: torchrun's parsed flags.
+        collective_timeout: seconds a collective may take before the launcher reports a hang
+            and ends the round (0: no monitoring; ``ddpkit train`` has its own, in the workers).
 
     Raises:
         ConfigError: a bad flag, found before anything starts, or bad multi-node input found at
             the rendezvous (see ``ddpkit.launch.rendezvous``).
-        WorkerFailure: a worker failed (after any restarts); the message names the rank.
+        WorkerFailure: a worker failed (after any restarts); the message names the rank, or the hang.
     """
     check_launch_args(ns)
-    set_thread_default(int(ns.nproc_per_node))
-    try:
-        launch_agent(ns)
-    except ChildFailedError as exc:
-        raise WorkerFailure.from_child_failed(exc) from None
+    if collective_timeout < 0:
+        raise ConfigError(
+            f"--collective-timeout {collective_timeout:g} is below 0; "
+            "give seconds, or 0 to turn hang reports off"
+        )
+    with run_directory() as run_dir:
+        monitor = HangMonitor(run_dir, collective_timeout)
+        progress_s = monitor.poll_s if collective_timeout else 0.0
+        with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
+            if collective_timeout:
+                monitor.start()
+            try:
+                launch_agent(ns, monitor)
+            except ChildFailedError as exc:
+                raise _failure(exc, monitor, run_dir) from None
+            finally:
+                monitor.stop()
+
+
+def _failure(exc: ChildFailedError, monitor: HangMonitor, run_dir: Path) -> WorkerFailure:
+    """The failure to report: a hang if the launcher saw one, else the first rank that failed."""
+    hang = monitor.verdict
+    if hang is None and (reporter := monitor.watchdog_reporter()) is not None:
+        hang = (
+            f"rank {reporter} reported that a collective did not complete in time (--collective-timeout); "
+            "its hang report is above"
+        )
+    return WorkerFailure.from_child_failed(exc, hang=hang, others=write_exit_stacks(run_dir))

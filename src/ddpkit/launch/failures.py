@@ -7,10 +7,11 @@ earliest failure that is not such a consequence.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-from ddpkit.diagnostics.hang import HANG_EXIT_CODE
 
 # What gloo and NCCL say when the other end of a collective went away: a consequence, not a cause.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
@@ -47,28 +48,61 @@ class WorkerFailure(RuntimeError):
         rank: global rank of the first failure.
         exitcode: its exit code (negative: killed by a signal).
         detail: the traceback the worker recorded, or how it exited.
+        headline: the whole message instead of "rank R failed (exit code C): detail" (a hang).
     """
 
-    def __init__(self, rank: int, exitcode: int, detail: str) -> None:
-        super().__init__(f"rank {rank} failed (exit code {exitcode}): {detail}")
+    def __init__(self, rank: int, exitcode: int, detail: str, headline: str = "") -> None:
+        super().__init__(headline or f"rank {rank} failed (exit code {exitcode}): {detail}")
         self.rank, self.exitcode, self.detail = rank, exitcode, detail
 
     @classmethod
-    def from_child_failed(cls, exc: ChildFailedError) -> WorkerFailure:
+    def from_child_failed(
+        cls, exc: ChildFailedError, hang: str | None = None, others: Path | None = None
+    ) -> WorkerFailure:
+        """The failure to report, from the agent's error and what the launcher knows.
+
+        Args:
+            exc: the agent's error, with every failed worker's exit code and recorded error.
+            hang: the launcher's own evidence of a hang (its monitor's verdict, or the rank whose
+                watchdog reported one); an exit code alone never means a hang, as any script may
+                exit with any code.
+            others: a file with the other ranks' stacks at the time of the failure.
+        """
         rank, failure = _root_failure(exc)
+        where = f"\nwhere the other ranks were: {others}" if others is not None else ""
+        if hang is not None:
+            return cls(rank, failure.exitcode, hang, headline=hang)
         if failure.exitcode < 0:
             detail = f"killed by signal {failure.signal_name()}"
-        elif failure.exitcode == HANG_EXIT_CODE:
-            detail = (
-                "a collective did not complete in time; see the hang report above (and OUT/hang-report.txt)"
-            )
         elif isinstance(failure.message, dict):
-            # Written by @record in the worker: {"message": ..., "extraInfo": {"py_callstack": ...}}
+            # Written by @record, or by ddpkit run's worker start-up for an uncaught exception:
+            # {"message": ..., "extraInfo": {"py_callstack": ...}}
             info = failure.message.get("extraInfo", {})
             detail = info.get("py_callstack") or failure.message.get("message", "no message")
+            if (network := network_cause(detail)) is not None:
+                detail = f"{network}\n{detail.strip()}"
         else:
             detail = "see the worker's output above for its traceback"
-        return cls(rank, failure.exitcode, detail.strip())
+        return cls(rank, failure.exitcode, detail.strip() + where)
+
+
+# gloo's words for a connection that could not be made or was lost, with the peer as [ADDR]:PORT.
+_NETWORK = re.compile(
+    r"(Connection refused|No route to host|Network is unreachable|Connection timed out|timed out connecting"
+    r"|Connection reset by peer|Connection closed by peer)[^\n\[]*?(?:remote=)?\[([^\]]+)\]:(\d+)"
+)
+
+
+def network_cause(text: str) -> str | None:
+    """One line naming the unreachable peer, from a gloo error in ``text``; None if there is none."""
+    found = _NETWORK.search(text)
+    if found is None:
+        return None
+    why, addr, port = found.groups()
+    return (
+        f"network: the peer at {addr}:{port} was unreachable ({why}): its process is gone, "
+        "or the network between the two hosts is cut"
+    )
 
 
 def _root_failure(exc: ChildFailedError) -> tuple[int, ProcessFailure]:

@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ddpkit.errors import ConfigError
 from ddpkit.launch.ports import answers, is_local_address, wait_reachable
 from ddpkit.launch.rollcall import check_same_nnodes, linger, nnodes_text, roll_call
+from ddpkit.launch.stores import bound_store, fresh_worker_store, rendezvous_bind
 
 # torch's rendezvous name -> ddpkit's checked variant of it.
 CHECKED = {"static": "ddpkit-static", "c10d": "ddpkit-c10d"}
@@ -93,7 +94,10 @@ class StaticRollCallRendezvous(RendezvousHandler):
         self.nnodes = params.max_nodes
         self.run_id = params.run_id
         self.timeout = float(params.config.get("timeout", STATIC_TIMEOUT))
+        self.bind_asked = bool(params.config.get("bind_addr"))
+        self.bind = rendezvous_bind(params, self.addr)
         self._store: dist.TCPStore | None = None
+        self._rounds = 0
 
     def get_backend(self) -> str:
         return CHECKED["static"]
@@ -114,27 +118,33 @@ class StaticRollCallRendezvous(RendezvousHandler):
                 if self.node_rank == 0:
                     linger(roll)
                 raise
-        store = dist.PrefixStore(self.run_id, self._store)
+        # A prefix per round, as c10d has: the agents of a restart must not read the keys of the
+        # last one (all nodes restart together, so they count the same rounds).
+        self._rounds += 1
+        store = dist.PrefixStore(f"{self.run_id}/round{self._rounds}", self._store)
         return RendezvousInfo(store, self.node_rank, self.nnodes, RendezvousStoreInfo(self.addr, self.port))
 
     def _open_store(self) -> dist.TCPStore:
         if self.node_rank != 0:
             return connect(self.addr, self.port, self.timeout, "--master-addr/--master-port")
-        # Node 0's store listens on every interface of its own machine, whatever --master-addr
-        # says; a node 0 elsewhere is a duplicate when the real one already answers there.
-        if not is_local_address(self.addr, "--master-addr") and answers(self.addr, self.port, 1) is None:
-            raise ConfigError(
-                f"another node already hosts the rendezvous at {self.addr}:{self.port} as --node-rank 0; "
-                f"give each node its own --node-rank, 0 to {self.nnodes - 1}"
-            )
+        # Node 0 listens on --master-addr alone (loopback for one node); a node 0 on a machine
+        # that does not hold that address is a duplicate when the real one already answers there.
+        if not is_local_address(self.addr, "--master-addr"):
+            if self.nnodes > 1 and answers(self.addr, self.port, 1) is None:
+                raise ConfigError(
+                    f"another node already hosts the rendezvous at {self.addr}:{self.port} as --node-rank 0; "
+                    f"give each node its own --node-rank, 0 to {self.nnodes - 1}"
+                )
+            if self.nnodes > 1 and not self.bind_asked:
+                raise ConfigError(
+                    f"--master-addr {self.addr} is not an address of this machine, and node 0 hosts the "
+                    "rendezvous there; start --node-rank 0 on the machine at that address"
+                )
         try:
-            # wait_for_workers=False: the roll call, not the store, waits for the other nodes, so
-            # that a node with a wrong --nnodes or --node-rank is reported instead of awaited.
-            return dist.TCPStore(
-                self.addr, self.port, self.nnodes, is_master=True, timeout=timedelta(seconds=self.timeout),
-                wait_for_workers=False, multi_tenant=True,
-            )  # fmt: skip
-        except dist.DistNetworkError:
+            # The roll call, not the store, waits for the other nodes (the store never blocks on
+            # them), so that a node with a wrong --nnodes or --node-rank is reported, not awaited.
+            return bound_store(self.bind, self.port, self.timeout)
+        except OSError:
             raise node_zero_port_taken(self.port) from None
 
     def is_closed(self) -> bool:
@@ -154,7 +164,8 @@ class StaticRollCallRendezvous(RendezvousHandler):
 
 
 def _create_static(params: RendezvousParameters) -> RendezvousHandler:
-    return StaticRollCallRendezvous(params)
+    inner = StaticRollCallRendezvous(params)
+    return fresh_worker_store(inner, params, node0_addr=inner.addr)
 
 
 class CheckedC10dRendezvous(RendezvousHandler):
@@ -218,10 +229,8 @@ def _open_c10d_store(params: RendezvousParameters, host: str, port: int) -> dist
         is_host = is_local_address(host, "--rdzv-endpoint")
     if is_host:
         try:
-            return dist.TCPStore(
-                host, port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=timeout)
-            )
-        except dist.DistNetworkError:
+            return bound_store(rendezvous_bind(params, host), port, timeout)
+        except OSError:
             pass  # another agent on this machine hosts it already (several nodes on one machine): join it
     return connect(host, port, timeout, "--rdzv-endpoint")
 
@@ -236,4 +245,5 @@ def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:
     roll = dist.PrefixStore(f"ddpkit/rollcall/{params.run_id}", store)
     check_same_nnodes(roll, nnodes_text(params.min_nodes, params.max_nodes))
     inner = create_handler(store, backend, params)
-    return CheckedC10dRendezvous(inner, roll, f"{host}:{port}", params)
+    checked = CheckedC10dRendezvous(inner, roll, f"{host}:{port}", params)
+    return fresh_worker_store(checked, params, node0_addr=None)

@@ -1,0 +1,169 @@
+"""The launcher's hang monitor: ``ddpkit run --collective-timeout S`` for scripts that know nothing of it.
+
+A daemon thread beside torch's elastic agent, in the launcher process, which user code cannot
+block. Every ``poll_s`` it reads its node's workers (``workerview.LocalRanks``) and publishes
+them in the round's worker store (``stores.FreshWorkerStore``), under ``ddpkit/run/``:
+
+    state/RANK   each launcher: its ranks' ``WorkerState``.
+    request      node 0, on a hang: a number; each launcher answers with its ranks' stacks.
+    stack/RANK   the answer: faulthandler's dump of every thread of the rank.
+    verdict      node 0: the one-line attribution; every launcher then kills its workers.
+
+Node 0 hosts the store, so it decides (``diagnostics.run_hang.find_hang``), writes the report to
+``RUN_DIR/hang-report.txt`` and ends the round; the agent then restarts the workers
+(``--max-restarts``) or fails, and the launcher names the hang from ``verdict``, never from an
+exit code a script could also use.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ddpkit.diagnostics.hang_store import STORE_PREFIX as HANG_STORE_PREFIX
+from ddpkit.diagnostics.run_hang import WorkerState, find_hang, format_report
+from ddpkit.launch.workerview import LocalRanks, dump_stacks, is_our_worker
+
+PREFIX = "ddpkit/run"
+STORE_TIMEOUT_S = 5.0
+ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
+
+
+class HangMonitor:
+    """Watches the workers of every round; ``start()`` only when ``timeout_s`` > 0.
+
+    Args:
+        run_dir: the run directory the workers write their progress and stacks to.
+        timeout_s: ``--collective-timeout``: seconds a collective may take (0: no monitoring).
+        poll_s: how often to look.
+    """
+
+    def __init__(self, run_dir: Path, timeout_s: float, poll_s: float = 1.0) -> None:
+        self.run_dir, self.timeout_s, self.poll_s = run_dir, timeout_s, poll_s
+        self.verdict: str | None = None
+        self.report_path = run_dir / "hang-report.txt"
+        self._round: tuple[int, dist.Store, int] | None = None  # node rank, store, generation
+        self._worker_store: dist.Store | None = None
+        self._seen_generation, self._answered, self._ended = 0, "", False
+        self._local = LocalRanks(run_dir)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def on_round(self, node_rank: int, store: dist.Store) -> None:
+        """A new round is about to start its workers (the agent stopped the last round's)."""
+        for pattern in ("progress-*", "stacks-*", "exit-*"):
+            for path in self.run_dir.glob(pattern):
+                path.unlink(missing_ok=True)
+        clone = store.clone()
+        clone.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+        generation = self._round[2] + 1 if self._round else 1
+        self._round = (node_rank, dist.PrefixStore(PREFIX, clone), generation)
+        self._worker_store = clone
+
+    def watchdog_reporter(self) -> int | None:
+        """The rank whose own HangWatchdog (``ddpkit train``, ``ddpkit.Run``) reported a hang in
+        the last round, from the key it sets in the workers' store; None when none did."""
+        try:
+            keys = self._worker_store.list_keys() if self._worker_store is not None else []
+            key = next((k for k in keys if k.endswith(f"{HANG_STORE_PREFIX}/request")), None)
+            return int(self._worker_store.get(key)) if key else None
+        except (RuntimeError, ValueError):  # the store's host is gone: nothing to read
+            return None
+
+    def start(self) -> HangMonitor:
+        self._thread = threading.Thread(target=self._run, name="ddpkit-hang-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_s + ANSWER_S + STORE_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._tick()
+            except RuntimeError:  # DistError: node 0 (the store) is gone; the agent will notice
+                continue
+
+    def _tick(self) -> None:
+        if self._round is None:
+            return
+        node_rank, store, generation = self._round
+        if generation != self._seen_generation:
+            self._seen_generation, self._answered, self._ended = generation, "", False
+            self._local.reset()
+        local = self._local.states()
+        for state in local.values():
+            store.set(f"state/{state.rank}", state.to_json())
+        self._answer(store)
+        if self._ended:
+            return
+        if store.check(["verdict"]):
+            self._end(store.get("verdict").decode(), announce=False)
+        elif node_rank == 0 and local:
+            self._decide(store, max(s.world for s in local.values()))
+
+    def _answer(self, store: dist.Store) -> None:
+        """Another node's launcher asks for stacks: dump this node's ranks into the store."""
+        if node_request := (store.get("request").decode() if store.check(["request"]) else ""):
+            if node_request != self._answered:
+                self._answered = node_request
+                for rank, text in dump_stacks(self.run_dir, self._local.pids()).items():
+                    store.set(f"stack/{rank}", text)
+
+    def _decide(self, store: dist.Store, world: int) -> None:
+        states = self._states(store, world)
+        summary = find_hang(states, world, self.timeout_s, time.time())
+        if summary is None:
+            return
+        stacks = self._stacks(store, world)
+        text = format_report(summary, self.timeout_s, world, states, stacks, time.time())
+        tmp = self.report_path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.report_path)
+        verdict = f"{summary}; every rank's stack is in {self.report_path}"
+        store.set("verdict", verdict)
+        self._end(verdict, announce=True)
+
+    def _states(self, store: dist.Store, world: int) -> dict[int, WorkerState]:
+        found = {}
+        for rank in range(world):
+            if store.check([f"state/{rank}"]):
+                found[rank] = WorkerState.from_json(store.get(f"state/{rank}"))
+        return found
+
+    def _stacks(self, store: dist.Store, world: int) -> dict[int, str]:
+        """Every rank's stack: this node's directly, the others' through their launchers."""
+        self._answered = str(time.time())
+        store.set("request", self._answered)
+        stacks = dump_stacks(self.run_dir, self._local.pids())
+        deadline = time.monotonic() + ANSWER_S
+        while len(stacks) < world and time.monotonic() < deadline:
+            for rank in sorted(set(range(world)) - set(stacks)):
+                if store.check([f"stack/{rank}"]):
+                    stacks[rank] = store.get(f"stack/{rank}").decode()
+            time.sleep(0.2)
+        return stacks
+
+    def _end(self, verdict: str, announce: bool) -> None:
+        """Kill this node's workers of the hung round; the agent then restarts them or gives up."""
+        self.verdict, self._ended = verdict, True
+        if announce:
+            print(
+                f"ddpkit: a collective did not complete within {self.timeout_s:g} s "
+                f"(--collective-timeout): {verdict}",
+                file=sys.stderr,
+                flush=True,
+            )
+        for pid in self._local.pids().values():
+            if is_our_worker(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,156 @@
+"""Start-up of every worker of a ``ddpkit run`` job, with no change to the user's script.
+
+The launcher puts this folder first on the workers' PYTHONPATH, so Python imports this module
+while it starts, before the script. Only the worker process itself (the elastic agent's child,
+``DDPKIT_AGENT_PID``) is changed; its own children (DataLoader workers, a script's subprocesses)
+just pass through. In the worker:
+
+- it dies with its launcher: ``PR_SET_PDEATHSIG`` (``ddpkit/launch/orphans.py``), also while
+  it is still starting;
+- ``faulthandler`` writes every thread's Python stack to ``RUN_DIR/stacks-RANK.txt`` when the
+  launcher sends ``DDPKIT_STACK_SIGNAL`` (the hang report), and to ``RUN_DIR/exit-RANK.txt`` when
+  the agent stops it with SIGTERM (where the others were when a rank failed). faulthandler's
+  handler runs in C, so it answers while the main thread waits inside a collective;
+- with ``DDPKIT_PROGRESS_S`` set, a daemon thread writes the default process group's collective
+  sequence number to ``RUN_DIR/progress-RANK`` when it changes (one read of a counter and at
+  most one small write per period);
+- an uncaught exception is also written to torchelastic's error file, as ``@record`` would, so
+  the launcher names it.
+
+Then a sitecustomize of the user's own, further along sys.path, is run as Python would have.
+Only the standard library is imported here: every Python process of the job pays for it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.machinery
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_kept: list = []  # files faulthandler writes to: they must outlive this module's functions
+
+
+def _die_with_agent(agent_pid: int) -> None:
+    # orphans.py by its path: importing the ddpkit package would import torch into every process.
+    path = os.path.join(os.path.dirname(_HERE), "orphans.py")
+    spec = importlib.util.spec_from_file_location("_ddpkit_orphans", path)
+    orphans = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(orphans)
+    orphans.die_with_parent(expected_parent=agent_pid)
+
+
+def _register_stacks(run_dir: str, rank: str) -> None:
+    on_request = open(os.path.join(run_dir, f"stacks-{rank}.txt"), "w")  # noqa: SIM115
+    on_exit = open(os.path.join(run_dir, f"exit-{rank}.txt"), "w")  # noqa: SIM115
+    _kept.extend([on_request, on_exit])
+    stack_signal = int(os.environ["DDPKIT_STACK_SIGNAL"])
+    faulthandler.register(stack_signal, file=on_request, all_threads=True, chain=False)
+    # chain=True: after the dump, SIGTERM does what it did before (ends the process). A script
+    # that installs its own SIGTERM handler replaces this one, and keeps its behaviour.
+    faulthandler.register(signal.SIGTERM, file=on_exit, all_threads=True, chain=True)
+    # A forked child (a DataLoader worker) inherits the handlers and the files; its stacks are not
+    # the rank's, and an unhandled real-time signal would kill it: give it the defaults back.
+    os.register_at_fork(after_in_child=lambda: _unregister(stack_signal))
+
+
+def _unregister(stack_signal: int) -> None:
+    faulthandler.unregister(stack_signal)
+    faulthandler.unregister(signal.SIGTERM)
+
+
+def _sequence_number() -> int:
+    """The default group's collective count; -1 before the group exists (or while torch imports)."""
+    c10d = getattr(sys.modules.get("torch.distributed"), "distributed_c10d", None)
+    try:
+        if c10d is None or not c10d.is_initialized():
+            return -1
+        return c10d._get_default_group()._get_sequence_number_for_group()
+    except Exception:  # half-imported torch, a group being destroyed: report "none" this time
+        return -1
+
+
+def _watch_progress(path: str, period_s: float, stop: threading.Event) -> None:
+    """Write ``PID SEQ WALL LEFT WORLD`` whenever the sequence number changes, in one fixed-size record.
+
+    ``LEFT`` is 1 once the group is gone after it existed (``destroy_process_group``); ``SEQ``
+    then keeps its last value. ``os.pwrite`` on a raw descriptor takes no Python lock, so a fork
+    in the main thread (a DataLoader starting workers) never copies a lock this thread holds.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    world, last, record = os.environ.get("WORLD_SIZE", "0"), None, -1
+    while True:
+        seq = _sequence_number()
+        record = seq if seq >= 0 else record
+        now = (record, record >= 0 and seq < 0)  # (the last count seen, whether the group is gone)
+        if now != last:
+            last = now
+            line = f"{os.getpid()} {record} {time.time():.3f} {int(now[1])} {world}"
+            os.pwrite(fd, line.ljust(63).encode() + b"\n", 0)
+        if stop.wait(period_s):
+            break
+    os.close(fd)
+
+
+def _start_progress(run_dir: str, rank: str, period_s: float) -> None:
+    stop = threading.Event()
+    path = os.path.join(run_dir, f"progress-{rank}")
+    thread = threading.Thread(
+        target=_watch_progress, args=(path, period_s, stop), name="ddpkit-progress", daemon=True
+    )
+    thread.start()
+    # Stop before interpreter shutdown tears torch down under the thread; threading's own
+    # at-exit hooks run before atexit's, while the main thread's modules are still alive.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(lambda: (stop.set(), thread.join(timeout=2 * period_s)))
+
+
+def _record_uncaught(previous):
+    def hook(exc_type, exc, tb):
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path and not os.path.exists(path) and "torch" in sys.modules:
+            try:
+                from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+                ErrorHandler().record_exception(exc)
+            except Exception:
+                pass  # the traceback still reaches stderr below
+        previous(exc_type, exc, tb)
+
+    return hook
+
+
+def _run_user_sitecustomize() -> None:
+    """Python imports only the first sitecustomize on sys.path; run the one this one hid."""
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+
+
+def _main() -> None:
+    env = os.environ
+    agent = env.get("DDPKIT_AGENT_PID")
+    if agent is None or os.getppid() != int(agent) or "RANK" not in env:
+        return  # not a worker the launcher started: a descendant, or a process outside ddpkit run
+    _die_with_agent(int(agent))
+    run_dir, rank = env["DDPKIT_RUN_DIR"], env["RANK"]
+    _register_stacks(run_dir, rank)
+    sys.excepthook = _record_uncaught(sys.excepthook)
+    if float(env.get("DDPKIT_PROGRESS_S", "0")) > 0:
+        _start_progress(run_dir, rank, float(env["DDPKIT_PROGRESS_S"]))
+
+
+try:
+    _main()
+except Exception as exc:  # never keep a script from starting
+    print(f"ddpkit: worker diagnostics unavailable: {exc!r}", file=sys.stderr)
+_run_user_sitecustomize()

@@ -1,0 +1,163 @@
+"""What a launcher sees of its own workers: progress files, /proc, and faulthandler's stack dumps.
+
+The files live in the run directory the launcher made; the workers' sitecustomize
+(``ddpkit/launch/workerboot``) writes them. Nothing here touches the workers but a signal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpkit.diagnostics.run_hang import WorkerState
+
+STACK_SIGNAL = signal.SIGRTMIN + 3  # a real-time signal: no script or library uses it for itself
+PROC_STATES = {
+    "R": "running", "S": "sleeping", "D": "in the kernel (D)", "T": "stopped (SIGSTOP)", "t": "stopped",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One line of ``progress-RANK``: ``PID SEQ WALL LEFT WORLD``."""
+
+    pid: int
+    seq: int
+    left: bool
+    world: int
+
+
+def read_progress(run_dir: Path) -> dict[int, Progress]:
+    """Each local rank's last record; a file caught mid-write is read again at the next poll."""
+    found = {}
+    for path in run_dir.glob("progress-*"):
+        try:
+            pid, seq, _, left, world = path.read_text().split()
+            found[int(path.name.split("-")[1])] = Progress(int(pid), int(seq), left == "1", int(world))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def proc_stat(pid: int) -> tuple[str, float, int] | None:
+    """(state letter, CPU seconds used, parent pid) of a live process, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return fields[0], (int(fields[11]) + int(fields[12])) / ticks, int(fields[1])
+
+
+def is_our_worker(pid: int) -> bool:
+    """True for a live child of this process: a pid read from a file could be reused by now."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[2] == os.getpid()
+
+
+class LocalRanks:
+    """Tracks this node's ranks from their progress files: when each last progressed, and its CPU."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.host = socket.gethostname()
+        self._since: dict[int, tuple[int, int, float, float, float]] = {}  # rank -> pid, seq, mono, wall, cpu
+
+    def reset(self) -> None:
+        self._since.clear()
+
+    def states(self) -> dict[int, WorkerState]:
+        now_mono, now_wall = time.monotonic(), time.time()
+        return {
+            rank: self._state(rank, progress, now_mono, now_wall)
+            for rank, progress in read_progress(self.run_dir).items()
+        }
+
+    def _state(self, rank: int, progress: Progress, now_mono: float, now_wall: float) -> WorkerState:
+        stat = proc_stat(progress.pid) if is_our_worker(progress.pid) else None
+        cpu = stat[1] if stat else 0.0
+        pid, seq, mono, _, cpu0 = self._since.get(rank, (0, -2, now_mono, now_wall, cpu))
+        if (pid, seq) != (progress.pid, progress.seq):
+            mono, cpu0 = now_mono, cpu
+            self._since[rank] = (progress.pid, progress.seq, mono, now_wall, cpu0)
+        return WorkerState(
+            rank=rank, world=progress.world, pid=progress.pid, host=self.host, seq=progress.seq,
+            left=progress.left, idle_s=now_mono - mono, cpu_s=max(0.0, cpu - cpu0),
+            proc=PROC_STATES.get(stat[0], stat[0]) if stat else "exited", heard_wall=now_wall,
+        )  # fmt: skip
+
+    def pids(self) -> dict[int, int]:
+        """rank -> pid of each local worker that is still our child."""
+        return {r: p.pid for r, p in read_progress(self.run_dir).items() if is_our_worker(p.pid)}
+
+
+def dump_stacks(run_dir: Path, pids: dict[int, int], wait_s: float = 3.0) -> dict[int, str]:
+    """Every thread's stack of each local rank, through faulthandler; or why there is none.
+
+    Args:
+        run_dir: where the workers' ``stacks-RANK.txt`` files are.
+        pids: rank -> pid of the local workers (only ones that registered the handler: it is
+            registered before their progress file exists, and the signal would kill others).
+        wait_s: how long to wait for the dumps.
+    """
+    sizes, stacks = {}, {}
+    for rank, pid in pids.items():
+        path = run_dir / f"stacks-{rank}.txt"
+        sizes[rank] = path.stat().st_size if path.exists() else 0
+        stat = proc_stat(pid)
+        if stat is not None and stat[0] in "Tt":
+            stacks[rank] = "(no stack: the process is stopped (SIGSTOP); it answers after SIGCONT)"
+            continue
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            stacks[rank] = "(no stack: the process has exited)"
+    deadline = time.monotonic() + wait_s
+    pending = set(pids) - set(stacks)
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for rank in sorted(pending):
+            text = _grown(run_dir / f"stacks-{rank}.txt", sizes[rank])
+            if text is not None:
+                stacks[rank] = text
+                pending.discard(rank)
+    for rank in pending:
+        stacks[rank] = f"(no stack within {wait_s:g} s: it may be in the kernel, or blocking signals)"
+    return stacks
+
+
+def _grown(path: Path, since: int) -> str | None:
+    """The text added to ``path`` after offset ``since``, once the dump has stopped growing."""
+    with open(path, "rb") as f:
+        f.seek(since)
+        added = f.read()
+    # faulthandler writes a dump in many small writes: take it once one short wait adds nothing.
+    time.sleep(0.05)
+    if not added or path.stat().st_size != since + len(added):
+        return None
+    return added.decode(errors="replace")
+
+
+def write_exit_stacks(run_dir: Path) -> Path | None:
+    """Write ``RUN_DIR/failure-report.txt``: where this node's other ranks were when the agent
+    stopped them after a failure (each one's SIGTERM dump); None when none left a dump.
+    """
+    dumps = {}
+    for path in sorted(run_dir.glob("exit-*.txt")):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            dumps[int(path.stem.split("-")[1])] = text
+    if not dumps:
+        return None
+    lines = ["ddpkit failure report: the stacks of the ranks the agent stopped after a rank failed", ""]
+    for rank in sorted(dumps):
+        lines += [f"stacks of rank {rank} (every thread, most recent call first):", dumps[rank].rstrip(), ""]
+    report = run_dir / "failure-report.txt"
+    report.write_text("\n".join(lines))
+    return report
