@@ -100,19 +100,20 @@ class DataParallel(nn.Module, Joinable):
             checks.default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 2**20
         )
         warn_if_oversubscribed(self.process_group, on_cpu=any(p.device.type == "cpu" for p in params))
-        if init_sync:
-            verify_same_params(module, self.process_group)
-            # Replicas must start identical; rank 0's initialization wins.
-            init_buffers = forward_sync_buffers is not None or broadcast
-            broadcast_coalesced(
-                params + (_managed_buffers(module) if init_buffers else []), self.process_group, 0
-            )
+        if init_sync:  # torch: broadcast_buffers=False also skips the buffers here, forward_sync_buffers not
+            self._sync_initial_state(params, forward_sync_buffers is not None or broadcast)
         self._hook = make_hook(compression)
         self._hook_is_set = compression is not None
         self.reducer = self._make_reducer()
         # nanoGPT-style code toggles this attribute directly; no_sync() is the polite way.
         self.require_backward_grad_sync = True
         self.sync_buffers_next = self.has_buffers_to_sync
+
+    def _sync_initial_state(self, params: list[nn.Parameter], with_buffers: bool) -> None:
+        verify_same_params(self.module, self.process_group)
+        # Replicas must start identical; rank 0's initialization wins.
+        buffers = _managed_buffers(self.module) if with_buffers else []
+        broadcast_coalesced(params + buffers, self.process_group, 0)
 
     def _make_reducer(self) -> Reducer:
         named = [(name, p) for name, p in _managed_params(self.module, named=True) if p.requires_grad]

@@ -134,9 +134,10 @@ class Reducer:
 
     def raise_pending_error(self) -> None:
         """Raise if the last backward pass started but some parameter never got its gradient."""
-        now, self.current = self.current, None
+        now = self.current
         if now is None or not now.started or now.waiting == 0:
-            return
+            return  # an armed pass whose backward has not begun stays armed, as in torch's DDP
+        self.current = None
         expected = now.expected or [1] * len(self.params)
         missing = [self.names[i] for i, n in enumerate(now.fired) if n < expected[i] and i not in now.unused]
         # Started collectives are left to finish on their own: waiting could hang if the ranks
