@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -183,3 +187,21 @@ def test_bad_input_is_one_line_naming_the_value_and_the_fix(tmp_path):
             run.loader(sampled)
     finally:
         run.close()
+
+
+def test_one_run_per_folder_and_a_stale_lock_never_blocks(tmp_path):
+    first = ddpkit.Run(out=tmp_path, progress=False)
+    try:
+        with pytest.raises(
+            ConfigError, match=rf"is in use by a running ddpkit run \(pid {os.getpid()} on host"
+        ):
+            ddpkit.Run(out=tmp_path, progress=False)  # joins the first run's group, then meets its lock
+    finally:
+        first.close()
+    holder = (
+        "from ddpkit.checkpoint.lock import OutLock; import os, sys; "
+        "OutLock(sys.argv[1]).acquire(); os.kill(os.getpid(), 9)"
+    )
+    died = subprocess.run([sys.executable, "-c", holder, str(tmp_path)])
+    assert died.returncode == -9
+    ddpkit.Run(out=tmp_path, progress=False).close()  # the kernel released the dead holder's lock

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import current_env, destroy, init_distributed
 from ddpkit.errors import ConfigError
 from ddpkit.logs import setup_logging
@@ -121,9 +122,14 @@ class Run:
         self.objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
         self.train_loader: Loader | None = None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
-        self._resume_path = state.resume_point(self.out, self.ckpt_cfg, self.env)
-        self._saved = state.load(self._resume_path, self.device) if self._resume_path else None
-        self.monitor = Monitor(self.env, self.diag_cfg, self.out)
+        self._lock = OutLock(self.out) if self.out is not None and self.env.is_rank0 else None
+        try:
+            self._resume_path = state.resume_point(self.out, self.ckpt_cfg, self.env, self._lock)
+            self._saved = state.load(self._resume_path, self.device) if self._resume_path else None
+            self.monitor = Monitor(self.env, self.diag_cfg, self.out)
+        except BaseException:
+            self._leave()  # the folder's lock and the process group, so nothing is left behind
+            raise
         self.cycle = StepCycle(
             self.env, self.monitor, self.models, self.objects, self.out, self.ckpt_cfg, self.optim_cfg,
             self.scaler, steps, self._saved["step"] if self._saved is not None else 0,
@@ -286,6 +292,11 @@ class Run:
         self._finished = True
         atexit.unregister(self._finish_at_exit)
         self.monitor.close(plot)
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
         if self._owns_group:
             destroy()
 

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.checkpoint import capture_rng, load_checkpoint, resolve_resume, restore_rng, save_checkpoint
+from ddpkit.checkpoint import (
+    CheckpointError,
+    capture_rng,
+    load_checkpoint,
+    resolve_resume,
+    restore_rng,
+    save_checkpoint,
+)
+from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 
@@ -48,17 +56,25 @@ class CheckpointConfig:
             raise ConfigError("resume='' names nothing; use 'auto', 'never' or a checkpoint path")
 
 
-def resume_point(out: Path | None, cfg: CheckpointConfig, env: DistEnv) -> str | None:
+def resume_point(out: Path | None, cfg: CheckpointConfig, env: DistEnv, lock: OutLock | None) -> str | None:
     """The one decision of whether, and from where, this run continues. Collective.
 
-    Rank 0 chooses (so every rank loads the same checkpoint even if a newer one appears while
-    they look) and broadcasts the path. A worker restarted by the elastic agent always takes
-    the newest good checkpoint: the run it belongs to wrote it.
+    Rank 0 takes the folder's lock (one run per folder), chooses (so every rank loads the same
+    checkpoint even if a newer one appears while they look) and broadcasts the path, or the
+    error that stops the run, so every rank raises it instead of waiting for rank 0. A worker
+    restarted by the elastic agent always takes the newest good checkpoint: its run wrote it.
     """
-    choice: list[str | None] = [None]
+    choice: list = [None, None]
     if env.is_rank0:
-        choice = [_choose(out, cfg, env)]
+        try:
+            if lock is not None:
+                lock.acquire()
+            choice = [_choose(out, cfg, env), None]
+        except (ConfigError, CheckpointError) as exc:
+            choice = [None, str(exc)]
     dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise ConfigError(choice[1])
     return choice[0]
 
 
