@@ -20,7 +20,8 @@ def _wrap_catching(model: nn.Module) -> str:
     try:
         DataParallel(model)
     except ConfigError as exc:
-        return str(exc)
+        # torch's DDP raises RuntimeError for ranks with different models; so must we.
+        return f"{'RuntimeError: ' if isinstance(exc, RuntimeError) else ''}{exc}"
     return "no error"
 
 
@@ -68,12 +69,14 @@ def results() -> list[dict]:
 
 def test_shape_mismatch_names_parameter_shapes_and_ranks(results) -> None:
     for result in results:  # every rank raises, so none is left waiting in a collective
+        assert result["shape"].startswith("RuntimeError: ")
         assert "parameter '0.weight' has shape (10, 4) on rank 0 but (11, 4) on rank 1" in result["shape"]
         assert "build the same model" in result["shape"]
 
 
 def test_parameter_count_mismatch_names_the_first_extra(results) -> None:
     for result in results:
+        assert result["count"].startswith("RuntimeError: ")
         assert "rank 0 has 2 parameters and rank 1 has 4" in result["count"]
         assert "'1.weight' on rank 1" in result["count"]
 

@@ -230,7 +230,8 @@ class Bucket:
             with torch.enable_grad():
                 param.grad = _KeepGraph.apply(local, view, scale)
         elif self.grad_as_view:
-            param.grad = view
+            if param.grad is not view:  # the setter checks shape and device: skip it when we can
+                param.grad = view
         elif param.grad is None:
             param.grad = torch.empty_like(param).copy_(view)  # the parameter's memory layout
         else:
