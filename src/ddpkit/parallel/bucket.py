@@ -175,16 +175,14 @@ class Bucket:
         if grad is None:
             view.zero_()
             return
-        if grad.requires_grad:  # backward(create_graph=True): keep the graph for write_back
+        if grad.requires_grad:  # backward(create_graph=True): keep the graph for write_back,
             self.graphs[pos] = grad
-        # no_grad: the buffer is plain data for the collective, even when grad has a graph
-        # (an out= op under grad mode would fail on it).
-        with torch.no_grad():
-            if scale is None:
-                view.copy_(grad)
-            else:
-                # torch's reducer does the same mul_out, so the rounding is identical.
-                torch.mul(grad, scale, out=view)
+            grad = grad.detach()  # and copy plain data (an out= op fails on a graph)
+        if scale is None:
+            view.copy_(grad)
+        else:
+            # torch's reducer does the same mul_out, so the rounding is identical.
+            torch.mul(grad, scale, out=view)
 
     def launch(self, hook: CommHook, process_group: dist.ProcessGroup, world_size: int) -> None:
         """Start this bucket's collective with ``hook``; every parameter must be ready."""
