@@ -1,12 +1,12 @@
 """torch's own DDP tests, run with ``ddpkit.DataParallel`` in place of DistributedDataParallel.
 
 The tests ship in the torch wheel (``torch/testing/_internal/distributed/distributed_test.py``,
-class ``DistributedTest._DistTestBase``, 308 tests). ``torch_ddp_runner.py`` runs them as
+class ``DistributedTest._DistTestBase``, 285 tests). ``torch_ddp_runner.py`` runs them as
 PyTorch's ``test_distributed_spawn.py`` does (gloo, world size 2, ``TEMP_DIR``), with the class
 swapped; DataParallel takes torch's arguments in torch's order, so there is no adapter at all.
 
-Which tests: on this CPU machine 285 of the 308 are collected, 195 skip themselves (they need
-GPUs, NCCL or MPI) and 90 run; 11 of those construct a DDP (``torch_ddp_runner.py --all`` with
+Which tests: on this CPU machine 195 of the 285 skip themselves (they need GPUs, NCCL or MPI)
+and 90 run; 11 of those construct a DDP (``torch_ddp_runner.py --all`` with
 ``DDPKIT_SUITE_MARKS``). This file runs 9 of them in one subprocess (about 10 s), and each
 must pass; with ``--engine torch`` the same 9 pass under torch's own DDP:
 
@@ -24,8 +24,8 @@ Excluded (2), because they test DDP's private internals (``torch_ddp_selection.E
     test_static_graph_api_cpu: calls the private _set_static_graph() after training and checks
         that _get_ddp_logging_data recorded the error
 
-``torch_ddp_runner.py --all`` runs the whole class in about a minute: 88 pass, 195 skip, and
-the only 2 errors are those two. The ranks are forked rather than spawned: a spawned rank
+``torch_ddp_runner.py --all`` runs the whole class in about a minute: 88 pass (the 9 above and
+79 tests of collectives that never touch DDP), 195 skip, and the only 2 errors are those two. The ranks are forked rather than spawned: a spawned rank
 re-imports torch and the 11,000-line test module, 8 s a test on two cores instead of 0.4.
 """
 
