@@ -24,9 +24,10 @@ Excluded (2), because they test DDP's private internals (``torch_ddp_selection.E
     test_static_graph_api_cpu: calls the private _set_static_graph() after training and checks
         that _get_ddp_logging_data recorded the error
 
-``torch_ddp_runner.py --all`` runs the whole class in about a minute: 88 pass (the 9 above and
-79 tests of collectives that never touch DDP), 195 skip, and the only 2 errors are those two. The ranks are forked rather than spawned: a spawned rank
-re-imports torch and the 11,000-line test module, 8 s a test on two cores instead of 0.4.
+``torch_ddp_runner.py --all`` runs the whole class in about a minute: 88 pass (the 9 above
+and 79 that never construct a DDP: collectives and utilities), 195 skip, and the only 2 errors
+are those two. The ranks are forked rather than spawned: a spawned rank re-imports torch and
+the 11,000-line test module, 8 s a test on two cores instead of 0.4.
 """
 
 from __future__ import annotations
