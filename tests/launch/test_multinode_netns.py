@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from run_scripts import FOREVER_SCRIPT, listening
 
 RUN = "toy --global-batch 12 --steps 12 --log-every 1 --seed 3"
 # The namespaces are new and empty, so nothing else can hold this port in them.
@@ -160,3 +161,35 @@ def test_a_node_zero_on_the_wrong_machine(machines, tmp_path):
         code, _, err = _finish(real, 30)
     # The real node 0 then waits out its 5 s for node 1, which never came, and says so.
     assert code == 2 and f"--node-rank 1 did not join the rendezvous at {a['addr']}:{PORT} within 5 s" in err
+
+
+def _run_node(host: dict, flags: str, *script: str) -> subprocess.Popen:
+    """`ddpkit run` inside a namespace (`ip netns exec` execs it: the pid is the launcher's)."""
+    run = [sys.executable, "-m", "ddpkit", "run", *flags.split(), *script]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": host["iface"]}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    return subprocess.Popen(["ip", "netns", "exec", host["ns"], *run], env=env, **pipes)
+
+
+def test_multi_node_stores_listen_on_the_nodes_addresses_only(machines, tmp_path):
+    a, b = machines
+    script, ready = tmp_path / "forever.py", tmp_path / "ready"
+    script.write_text(FOREVER_SCRIPT)
+    launch = f"--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint {a['addr']}:{PORT} --rdzv-id bind"
+    nodes = [_run_node(a, f"{launch} --local-addr {a['addr']}", str(script), str(ready))]
+    try:
+        _wait_listening(a, nodes[0])
+        nodes.append(_run_node(b, f"{launch} --local-addr {b['addr']}", str(script), str(ready)))
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "no training steps"
+            time.sleep(0.05)
+        on_a, on_b = listening(nodes[0].pid, a["ns"]), listening(nodes[1].pid, b["ns"])
+    finally:
+        for node in nodes:
+            node.send_signal(signal.SIGTERM)
+            node.communicate(timeout=60)
+    # a hosts the rendezvous; the node c10d made rank 0 also hosts the workers' store.
+    assert f"{a['addr']}:{PORT}" in on_a and len(on_a) + len(on_b) == 2, (on_a, on_b)
+    for host, addresses in ((a, on_a), (b, on_b)):
+        assert all(x.startswith(f"{host['addr']}:") for x in addresses), addresses

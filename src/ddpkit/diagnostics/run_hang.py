@@ -113,6 +113,8 @@ def rank_line(rank: int, state: WorkerState | None, newest: int, now_wall: float
     where = "no process group yet" if state.seq < 0 else f"issued #{state.seq}"
     if state.left:
         where += ", then destroyed its process group"
+    elif state.proc.startswith("stopped"):
+        where += " when last seen (a stopped process's count is up to one poll old)"
     elif 0 <= state.seq < newest:
         where += f", {newest - state.seq} behind"
     idle = state.idle_at(now_wall)

@@ -236,7 +236,7 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float = 0.0) -> None
             "give seconds, or 0 to turn hang reports off"
         )
     with run_directory() as run_dir:
-        monitor = HangMonitor(run_dir, collective_timeout)
+        monitor = HangMonitor(run_dir, collective_timeout, announce=ns.max_restarts > 0)
         progress_s = monitor.poll_s if collective_timeout else 0.0
         with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
             if collective_timeout:

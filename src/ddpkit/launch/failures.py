@@ -86,23 +86,29 @@ class WorkerFailure(RuntimeError):
         return cls(rank, failure.exitcode, detail.strip() + where)
 
 
-# gloo's words for a connection that could not be made or was lost, with the peer as [ADDR]:PORT.
-_NETWORK = re.compile(
-    r"(Connection refused|No route to host|Network is unreachable|Connection timed out|timed out connecting"
-    r"|Connection reset by peer|Connection closed by peer)[^\n\[]*?(?:remote=)?\[([^\]]+)\]:(\d+)"
+# gloo's words for a connection that could not be made or was lost, most telling first; the
+# peer follows as [ADDR]:PORT ("... Connection refused, remote=[10.0.0.2]:4242").
+NETWORK_ERRORS = (
+    "No route to host",
+    "Network is unreachable",
+    "Connection refused",
+    "Connection timed out",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "timed out connecting",
 )
 
 
 def network_cause(text: str) -> str | None:
     """One line naming the unreachable peer, from a gloo error in ``text``; None if there is none."""
-    found = _NETWORK.search(text)
-    if found is None:
-        return None
-    why, addr, port = found.groups()
-    return (
-        f"network: the peer at {addr}:{port} was unreachable ({why}): its process is gone, "
-        "or the network between the two hosts is cut"
-    )
+    for why in NETWORK_ERRORS:
+        if found := re.search(re.escape(why) + r"[^\n\[]*?\[([^\]]+)\]:(\d+)", text):
+            addr, port = found.groups()
+            return (
+                f"network: the peer at {addr}:{port} was unreachable ({why}): its process is gone, "
+                "or the network between the two hosts is cut"
+            )
+    return None
 
 
 def _root_failure(exc: ChildFailedError) -> tuple[int, ProcessFailure]:

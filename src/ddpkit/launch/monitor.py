@@ -43,10 +43,11 @@ class HangMonitor:
         run_dir: the run directory the workers write their progress and stacks to.
         timeout_s: ``--collective-timeout``: seconds a collective may take (0: no monitoring).
         poll_s: how often to look.
+        announce: print the verdict when it is reached (restarts follow; else the failure says it).
     """
 
-    def __init__(self, run_dir: Path, timeout_s: float, poll_s: float = 1.0) -> None:
-        self.run_dir, self.timeout_s, self.poll_s = run_dir, timeout_s, poll_s
+    def __init__(self, run_dir: Path, timeout_s: float, poll_s: float = 1.0, announce: bool = False) -> None:
+        self.run_dir, self.timeout_s, self.poll_s, self.announce = run_dir, timeout_s, poll_s, announce
         self.verdict: str | None = None
         self.report_path = run_dir / "hang-report.txt"
         self._round: tuple[int, dist.Store, int] | None = None  # node rank, store, generation
@@ -130,9 +131,12 @@ class HangMonitor:
         tmp = self.report_path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(self.report_path)
-        verdict = f"{summary}; every rank's stack is in {self.report_path}"
+        verdict = (
+            f"a collective did not complete within {self.timeout_s:g} s (--collective-timeout): "
+            f"{summary}; every rank's stack is in {self.report_path}"
+        )
         store.set("verdict", verdict)
-        self._end(verdict, announce=True)
+        self._end(verdict, announce=self.announce)
 
     def _states(self, store: dist.Store, world: int) -> dict[int, WorkerState]:
         found = {}
@@ -157,13 +161,8 @@ class HangMonitor:
     def _end(self, verdict: str, announce: bool) -> None:
         """Kill this node's workers of the hung round; the agent then restarts them or gives up."""
         self.verdict, self._ended = verdict, True
-        if announce:
-            print(
-                f"ddpkit: a collective did not complete within {self.timeout_s:g} s "
-                f"(--collective-timeout): {verdict}",
-                file=sys.stderr,
-                flush=True,
-            )
+        if announce:  # the agent restarts the workers next: say why here, as no failure will
+            print(f"ddpkit: {verdict}; restarting the workers", file=sys.stderr, flush=True)
         for pid in self._local.pids().values():
             if is_our_worker(pid):
                 os.kill(pid, signal.SIGKILL)

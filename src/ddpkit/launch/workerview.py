@@ -127,9 +127,16 @@ def dump_stacks(run_dir: Path, pids: dict[int, int], wait_s: float = 3.0) -> dic
             if text is not None:
                 stacks[rank] = text
                 pending.discard(rank)
+    stacks = {rank: _without_own_threads(text) for rank, text in stacks.items()}
     for rank in pending:
         stacks[rank] = f"(no stack within {wait_s:g} s: it may be in the kernel, or blocking signals)"
     return stacks
+
+
+def _without_own_threads(dump: str) -> str:
+    """faulthandler's dump less the thread of ddpkit's sitecustomize, which is never the story."""
+    blocks = dump.strip("\n").split("\n\n")
+    return "\n\n".join(b for b in blocks if "in _watch_progress" not in b) + "\n"
 
 
 def _grown(path: Path, since: int) -> str | None:

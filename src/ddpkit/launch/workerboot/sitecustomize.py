@@ -2,8 +2,8 @@
 
 The launcher puts this folder first on the workers' PYTHONPATH, so Python imports this module
 while it starts, before the script. Only the worker process itself (the elastic agent's child,
-``DDPKIT_AGENT_PID``) is changed; its own children (DataLoader workers, a script's subprocesses)
-just pass through. In the worker:
+``DDPKIT_AGENT_PID``, which it takes out of its environment) is changed; its own children
+(DataLoader workers, a script's subprocesses) just pass through. In the worker:
 
 - it dies with its launcher: ``PR_SET_PDEATHSIG`` (``ddpkit/launch/orphans.py``), also while
   it is still starting;
@@ -26,11 +26,13 @@ from __future__ import annotations
 import faulthandler
 import importlib.machinery
 import importlib.util
+import json
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _kept: list = []  # files faulthandler writes to: they must outlive this module's functions
@@ -112,14 +114,17 @@ def _start_progress(run_dir: str, rank: str, period_s: float) -> None:
 
 
 def _record_uncaught(previous):
+    """An excepthook that also writes torchelastic's error file, in ``@record``'s format."""
+
     def hook(exc_type, exc, tb):
         path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if path and not os.path.exists(path) and "torch" in sys.modules:
+        if path and not os.path.exists(path):  # @record, where the script has it, wrote first
+            callstack = "".join(traceback.format_exception(exc_type, exc, tb))
+            info = {"py_callstack": callstack, "timestamp": str(int(time.time()))}
             try:
-                from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-                ErrorHandler().record_exception(exc)
-            except Exception:
+                with open(path, "w") as f:
+                    json.dump({"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": info}}, f)
+            except OSError:
                 pass  # the traceback still reaches stderr below
         previous(exc_type, exc, tb)
 
@@ -138,8 +143,10 @@ def _run_user_sitecustomize() -> None:
 
 def _main() -> None:
     env = os.environ
-    agent = env.get("DDPKIT_AGENT_PID")
-    if agent is None or os.getppid() != int(agent) or "RANK" not in env:
+    # Taken out of the environment, so that this worker's own children (which inherit it) are
+    # not taken for workers; a worker whose launcher already died has another parent, and exits.
+    agent = env.pop("DDPKIT_AGENT_PID", None)
+    if agent is None or "RANK" not in env:
         return  # not a worker the launcher started: a descendant, or a process outside ddpkit run
     _die_with_agent(int(agent))
     run_dir, rank = env["DDPKIT_RUN_DIR"], env["RANK"]
