@@ -157,3 +157,21 @@ def test_resume_at_another_world_size_uses_every_sample_once(tmp_path, before, a
     _run(out, after, *epoch)
     taken = _consumed(out)
     assert sorted(taken) == list(range(1000)), "an epoch must use every sample exactly once"
+
+
+def test_sigterm_checkpoints_the_agreed_step_and_the_resumed_run_is_bit_identical(tmp_path):
+    run = ["--micro-batch", "2", "--size", "2048"]  # 192 steps; no --save-every: the signal saves
+    _run(tmp_path / "whole", 2, *run)
+    out = tmp_path / "cut"
+    proc = subprocess.Popen(_cmd(out, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    signalled_at = _wait_for_step(proc, out, 20)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 30, "the run did not end within the grace period"
+    assert "ddpkit: preempted by SIGTERM at step" in stdout, f"{stdout[-2000:]}\n{stderr[-3000:]}"
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 1 and int(saved[0].split("-")[1]) > signalled_at
+    done = _run(out, 2, *run)
+    assert f"resumed from {out / 'checkpoints' / saved[0]}" in done.stdout
+    assert _same(_model(tmp_path / "whole"), _model(out)), "the run resumed after SIGTERM differs"

@@ -90,7 +90,7 @@ def _native(model: nn.Module, cfg: EngineConfig) -> DataParallel:
         model,
         bucket_cap_mb=cfg.bucket_cap_mb,
         find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers,
+        forward_sync_buffers=cfg.broadcast_buffers,  # as for torch's: buffers are synced at start either way
         compression=cfg.compression,
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -36,6 +37,7 @@ from ddpkit.run.evaluate import evaluate
 from ddpkit.run.loader import Loader
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import gate
+from ddpkit.run.preempt import Preemption
 from ddpkit.run.setup import (
     check_args,
     check_same_model,
@@ -130,9 +132,11 @@ class Run:
         except BaseException:
             self._leave()  # the folder's lock and the process group, so nothing is left behind
             raise
+        self._preemption = Preemption(self.ckpt_cfg.preempt_signals, _collective_device(self.env))
         self.cycle = StepCycle(
             self.env, self.monitor, self.models, self.objects, self.out, self.ckpt_cfg, self.optim_cfg,
             self.scaler, steps, self._saved["step"] if self._saved is not None else 0,
+            self._preemption, self._preempted,
         )  # fmt: skip
         self._finished = False
         atexit.register(self._finish_at_exit)
@@ -291,8 +295,22 @@ class Run:
         """Stop the diagnostics and leave the process group without another collective (after an error)."""
         self._finished = True
         atexit.unregister(self._finish_at_exit)
+        if hasattr(self, "_preemption"):
+            self._preemption.restore()
         self.monitor.close(plot)
         self._leave()
+
+    def _preempted(self, number: int, step: int) -> None:
+        """Every rank, after the preemption checkpoint: leave cleanly and exit without a traceback."""
+        self.close()
+        if self.env.is_rank0:
+            where = "checkpoint written" if self.out is not None else "no out, so no checkpoint"
+            print(
+                f"ddpkit: preempted by {signal.Signals(number).name} at step {step} ({where}); "
+                "run the same command again to resume (resume='auto')",
+                flush=True,
+            )
+        raise SystemExit(128 + number)
 
     def _leave(self) -> None:
         if self._lock is not None:
@@ -321,3 +339,7 @@ class Run:
         """``print`` on global rank 0 only."""
         if self.env.is_rank0:
             print(*args, **kwargs, flush=True)
+
+
+def _collective_device(env) -> torch.device:
+    return env.device if env.backend == "nccl" else torch.device("cpu")

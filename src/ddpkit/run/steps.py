@@ -11,6 +11,7 @@ optimizers whether to step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from ddpkit.run.engine import set_grad_sync, unwrap
 from ddpkit.run.loader import Loader, Micro
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimConfig, optimizer_params, total_norm
+from ddpkit.run.preempt import Preemption
 from ddpkit.run.state import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,16 @@ class StepCycle:
         scaler: the fp16 GradScaler (disabled otherwise).
         steps: the last step to run, or None.
         step: the step the run starts after (a resumed checkpoint's).
+        preemption: the signal handlers; when every rank agrees one arrived, the step is
+            checkpointed and ``on_preempt(signal, step)`` ends the process.
+        on_preempt: called on every rank after the preemption checkpoint.
     """
 
     def __init__(
         self, env: DistEnv, monitor: Monitor, models: dict[str, nn.Module], objects: dict[str, Any],
         out: Path | None, ckpt_cfg: CheckpointConfig, optim_cfg: OptimConfig,
         scaler: torch.amp.GradScaler, steps: int | None, step: int,
+        preemption: Preemption, on_preempt: Callable[[int, int], None],
     ) -> None:  # fmt: skip
         self.env, self.monitor, self.models, self.objects, self.out = env, monitor, models, objects, out
         self.ckpt_cfg, self.optim_cfg, self.scaler, self.steps = ckpt_cfg, optim_cfg, scaler, steps
@@ -58,6 +64,7 @@ class StepCycle:
         self.micro: Micro | None = None
         self.open = self.has_backward = self.save_now = False
         self.indices: list[int] = []
+        self.preemption, self.on_preempt, self.paced_step = preemption, on_preempt, step
 
     @property
     def accumulating(self) -> bool:
@@ -94,7 +101,9 @@ class StepCycle:
         last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
             return
-        self.monitor.step_done(self.step, ended, last, self._extra())
+        record = self.monitor.step_done(self.step, ended, last, self._extra())
+        if record is not None:
+            self._pace(record["ranks"])
         check_every = self.monitor.cfg.check_every
         if check_every and ended and (self.step % check_every == 0 or last):
             self.monitor.phase(self.step, "check: replica fingerprint all_gather")
@@ -103,6 +112,18 @@ class StepCycle:
         every = self.ckpt_cfg.save_every
         if (self.save_now or (every and (self.step % every == 0 or last))) and self.saved_step != self.step:
             self.checkpoint()
+        if ended and not last and (number := self.preemption.agreed(self.step)):
+            if self.out is not None and self.saved_step != self.step:
+                self.checkpoint()
+            self.on_preempt(number, self.step)
+
+    def _pace(self, ranks: list[dict]) -> None:
+        # From gathered timings, so every rank computes the same pace for the agreement.
+        steps = self.step - self.paced_step
+        if steps > 0:
+            slowest = max(r["data_s"] + r["compute_s"] + r["comm_wait_s"] for r in ranks)
+            self.preemption.pace(slowest / steps)
+        self.paced_step = self.step
 
     def _extra(self) -> dict:
         extra = {
