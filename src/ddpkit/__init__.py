@@ -5,8 +5,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
-
-__version__ = "0.1.0"
+from ddpkit.version import __version__
 
 __all__ = [
     "ConfigError",

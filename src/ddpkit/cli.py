@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch.distributed.run as torchrun
 
-from ddpkit import __version__
 from ddpkit.dist import resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch.elastic import (
@@ -31,6 +30,7 @@ from ddpkit.launch.elastic import (
 from ddpkit.launch.failures import WorkerFailure
 from ddpkit.train.config import TrainConfig, check_same_run, check_split
 from ddpkit.train.workloads import WORKLOADS, with_defaults
+from ddpkit.version import __version__
 
 USAGE = """usage: ddpkit COMMAND [ARGS]
 

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.bench.engine_summary import format_table, format_targets, summarize
 from ddpkit.dist import cpu_cores, destroy, init_distributed
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch import launch
 from ddpkit.launch.elastic import resolve_nproc
 from ddpkit.models import GPT, GPTConfig
@@ -203,8 +203,6 @@ def _memory_rank(cfg: EngineBenchConfig, name: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     """The ``ddpkit bench engine`` command line."""
-    from ddpkit.cli import OneLineParser  # the CLI imports benchmarks lazily, so no cycle
-
     p = OneLineParser(prog="ddpkit bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", default="2", help="processes (default 2)")
     p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, from {', '.join(ENGINES)}")

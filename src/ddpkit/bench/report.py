@@ -6,11 +6,10 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # benchmarks run on headless machines; must precede pyplot's import
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+# A Figure of its own draws with Agg where the file is written, without pyplot: a notebook that
+# imports ddpkit keeps its own backend and plots.
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 # nccl-tests' names for the element types, shown in the table's type column.
 NCCL_TYPE_NAMES = {
@@ -138,7 +137,8 @@ def _finite_or_none(value: object) -> object:
 
 def plot_comm(records: list[dict], png: Path, title: str) -> None:
     """busbw against size, one line per operation (reducing ones with their first redop), memcpy dashed."""
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    fig = Figure(figsize=(8, 5), dpi=100)
+    ax = fig.subplots()
     shown: dict[str, str | None] = {}
     for r in records:
         shown.setdefault(r["op"], r["redop"])
@@ -161,12 +161,12 @@ def plot_comm(records: list[dict], png: Path, title: str) -> None:
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
-    plt.close(fig)
 
 
 def plot_scaling(records: list[dict], png: Path, title: str) -> None:
     """Throughput (with the ideal linear line) and efficiency against process count, per engine."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 7), dpi=100, sharex=True)
+    fig = Figure(figsize=(6, 7), dpi=100)
+    (top, bottom) = fig.subplots(2, 1, sharex=True)
     for engine in dict.fromkeys(r["engine"] for r in records):
         rows = [r for r in records if r["engine"] == engine]
         counts = [r["nproc"] for r in rows]
@@ -186,4 +186,3 @@ def plot_scaling(records: list[dict], png: Path, title: str) -> None:
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
-    plt.close(fig)

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ddpkit.checkpoint.files import sha256_file
+from ddpkit.version import __version__
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -33,8 +34,6 @@ def step_of(path: Path) -> int | None:
 
 def write_manifest(directory: Path, step: int, names: list[str]) -> dict:
     """Hash the files ``names`` in ``directory`` and write (and fsync) the manifest describing them."""
-    import ddpkit  # here, not at the top: ddpkit/__init__ may import this package
-
     files = {
         name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
         for name in names
@@ -43,7 +42,7 @@ def write_manifest(directory: Path, step: int, names: list[str]) -> dict:
         "format": FORMAT,
         "step": step,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "ddpkit_version": ddpkit.__version__,
+        "ddpkit_version": __version__,
         "files": files,
     }
     with open(directory / MANIFEST, "w", encoding="utf-8") as f:

@@ -124,7 +124,13 @@ def load_digits() -> TensorDataset:
         int64 (N,).
     """
     # Imported here because scikit-learn takes a while to import and only this loader needs it.
-    from sklearn.datasets import load_digits as sklearn_load_digits
+    try:
+        from sklearn.datasets import load_digits as sklearn_load_digits
+    except ImportError:
+        raise ConfigError(
+            "the built-in digits data needs scikit-learn: pip install 'ddpkit[demos]', or pass --data DIR "
+            "with MNIST IDX files"
+        ) from None
 
     bunch = sklearn_load_digits()
     x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)  # (N, 1, 8, 8)

@@ -97,7 +97,10 @@ class GlobalBatchSampler:
         stop = self.num_samples
         if self.drop_last:
             stop = start + (self.num_samples - start) // self.global_batch * self.global_batch
-        return [order[i : min(i + self.global_batch, stop)].tolist() for i in range(start, stop, self.global_batch)]
+        return [
+            order[i : min(i + self.global_batch, stop)].tolist()
+            for i in range(start, stop, self.global_batch)
+        ]
 
     def advance_to(self, consumed: int) -> None:
         """Record that the world has taken ``consumed`` samples of this epoch (rolls over at its end)."""

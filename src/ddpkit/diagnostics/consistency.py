@@ -11,6 +11,7 @@ import hashlib
 import torch.distributed as dist
 
 from ddpkit.dist import DistEnv
+from ddpkit.version import __version__
 
 
 def check_same_config(config_json: str, env: DistEnv) -> None:
@@ -20,11 +21,10 @@ def check_same_config(config_json: str, env: DistEnv) -> None:
         config_json: this rank's configuration, serialised deterministically.
         env: this process's distributed environment.
     """
-    import ddpkit
 
-    mine = hashlib.sha256(f"{ddpkit.__version__}\n{config_json}".encode()).hexdigest()[:16]
+    mine = hashlib.sha256(f"{__version__}\n{config_json}".encode()).hexdigest()[:16]
     everyone: list[str | None] = [None] * env.world_size
-    dist.all_gather_object(everyone, (mine, ddpkit.__version__))
+    dist.all_gather_object(everyone, (mine, __version__))
     reference = everyone[0]
     bad = [rank for rank, got in enumerate(everyone) if got != reference]
     if bad:

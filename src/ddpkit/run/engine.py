@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -96,12 +97,14 @@ def _native(model: nn.Module, cfg: EngineConfig) -> DataParallel:
 
 
 def _torch_ddp(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> DistributedDataParallel:
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers and warns about the old name.
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     ddp = DistributedDataParallel(
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb,
         find_unused_parameters=cfg.find_unused_parameters,
-        forward_sync_buffers=cfg.broadcast_buffers,  # torch 2.13's name for broadcast_buffers
+        **{"forward_sync_buffers" if renamed else "broadcast_buffers": cfg.broadcast_buffers},
     )
     if cfg.compression is not None:
         ddp.register_comm_hook(*_torch_hook(cfg.compression))

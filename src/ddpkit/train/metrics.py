@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display on training machines; must precede pyplot's import
-import matplotlib.pyplot as plt  # noqa: E402
+# A Figure of its own draws with Agg where the file is written, without pyplot: a notebook that
+# imports ddpkit keeps its own backend and plots.
+from matplotlib.figure import Figure
 
 
 class MetricsLog:
@@ -36,7 +35,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_loss(records: list[dict], png: Path, title: str = "training loss") -> None:
     """Draw loss against step into ``png``."""
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    fig = Figure(figsize=(6, 4), dpi=100)
+    ax = fig.subplots()
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -44,4 +44,3 @@ def plot_loss(records: list[dict], png: Path, title: str = "training loss") -> N
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png)
-    plt.close(fig)

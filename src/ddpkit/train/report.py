@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
 
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.train.config import TrainConfig
@@ -59,7 +59,8 @@ def rank_totals(logged: list[dict]) -> list[str]:
 def plot_report(records: list[dict], png: Path, title: str) -> None:
     """Loss (and eval loss) and throughput against step, one above the other."""
     logged = [r for r in records if "loss" in r]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True)
+    fig = Figure(figsize=(7, 6), dpi=100)
+    (top, bottom) = fig.subplots(2, 1, sharex=True)
     top.plot([r["step"] for r in logged], [r["loss"] for r in logged], label="train loss")
     evals = [r for r in records if "eval_loss" in r]
     if evals:
@@ -74,7 +75,6 @@ def plot_report(records: list[dict], png: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png)
-    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
