@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed.run as torchrun
 
+from ddpkit.checkpoint.lock import check_not_running
 from ddpkit.dist import resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch.elastic import (
@@ -151,6 +152,8 @@ def cmd_train(argv: list[str]) -> int:
         check_split(cfg.global_batch, nodes * nproc)
     check_launch_args(torch_ns)
     out = Path(cfg.out)
+    if high == 1:  # one node: refuse a folder a live run holds before anything is written or deleted
+        check_not_running(out)
     if ns.node_rank == 0:
         prepare_out(cfg, ns.overwrite)
         (out / "config.json").write_text(cfg.to_json(), encoding="utf-8")

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit.checkpoint.files import save_weights
+from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import DistEnv, destroy, init_distributed
 from ddpkit.dist.init import DEFAULT_TIMEOUT
 from ddpkit.launch.orphans import die_with_parent
@@ -44,6 +45,9 @@ def train(cfg: TrainConfig) -> None:
         # does not count as a restart); the launcher made sure --out was fresh when the job began,
         # so any checkpoint there is this run's: continue from the newest good one.
         cfg = cfg.replace(resume="auto")
+    # One run per --out: global rank 0 holds the folder's lock until it exits (the kernel drops
+    # it if the process dies), so a second run on the same folder stops at once.
+    lock = OutLock(Path(cfg.out)).acquire() if env.is_rank0 else None
     try:
         seed_everything(cfg.seed)
         job = get_workload(cfg.workload).build(cfg)
@@ -52,6 +56,8 @@ def train(cfg: TrainConfig) -> None:
         if env.is_rank0:
             finish(cfg, job, trainer.model.module, records, env)
     finally:
+        if lock is not None:
+            lock.release()
         destroy()
 
 
