@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ddpkit.diagnostics.run_hang import WorkerState
 
-STACK_SIGNAL = signal.SIGRTMIN + 3  # a real-time signal: no script or library uses it for itself
+# A real-time signal: no script or library uses one for itself (macOS has none: SIGUSR2 there).
+STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 PROC_STATES = {
     "R": "running", "S": "sleeping", "D": "in the kernel (D)", "T": "stopped (SIGSTOP)", "t": "stopped",
 }  # fmt: skip

@@ -36,6 +36,7 @@ import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _kept: list = []  # files faulthandler writes to: they must outlive this module's functions
+_progress: list = []  # [(run_dir, rank, period_s), stop event, thread] of the progress thread
 
 
 def _die_with_agent(agent_pid: int) -> None:
@@ -106,11 +107,21 @@ def _start_progress(run_dir: str, rank: str, period_s: float) -> None:
         target=_watch_progress, args=(path, period_s, stop), name="ddpkit-progress", daemon=True
     )
     thread.start()
-    # Stop before interpreter shutdown tears torch down under the thread; threading's own
-    # at-exit hooks run before atexit's, while the main thread's modules are still alive.
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(lambda: (stop.set(), thread.join(timeout=2 * period_s)))
+    _progress[:] = [(run_dir, rank, period_s), stop, thread]
+
+
+def pause_progress() -> None:
+    """Stop the progress thread (at exit; and to measure what it costs, beside ``resume_progress``)."""
+    if _progress:
+        _, stop, thread = _progress
+        stop.set()
+        thread.join(timeout=2 * _progress[0][2])
+
+
+def resume_progress() -> None:
+    """Start the progress thread again after ``pause_progress``."""
+    if _progress and not _progress[2].is_alive():
+        _start_progress(*_progress[0])
 
 
 def _record_uncaught(previous):
@@ -154,10 +165,16 @@ def _main() -> None:
     sys.excepthook = _record_uncaught(sys.excepthook)
     if float(env.get("DDPKIT_PROGRESS_S", "0")) > 0:
         _start_progress(run_dir, rank, float(env["DDPKIT_PROGRESS_S"]))
+        # Stop before interpreter shutdown tears torch down under the thread: threading's own
+        # at-exit hooks run before atexit's, while the main thread's modules are still alive.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(pause_progress)
 
 
 try:
     _main()
 except Exception as exc:  # never keep a script from starting
     print(f"ddpkit: worker diagnostics unavailable: {exc!r}", file=sys.stderr)
+sys.modules["ddpkit_worker_boot"] = sys.modules[__name__]  # a user's sitecustomize takes the name
 _run_user_sitecustomize()
