@@ -93,7 +93,7 @@ def time_launcher_tick(ticks: int = 200) -> None:
     run_dir = Path(tempfile.mkdtemp())
     store = bound_store("127.0.0.1", 0, 10)
     monitor = HangMonitor(run_dir, 900)
-    monitor.on_round(0, store)
+    monitor.on_round(0, 1, store)
     for rank in range(2):
         (run_dir / f"progress-{rank}").write_text(f"{os.getpid()} 5 {time.time():.3f} 0 2".ljust(63) + "\n")
     start = time.thread_time()

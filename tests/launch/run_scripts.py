@@ -89,6 +89,16 @@ FOREVER_SCRIPT = textwrap.dedent(
 )
 
 
+# Starts, says so, and waits to be stopped: no torch, so it is up in a moment.
+SLEEP_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    open(sys.argv[1], "w").close()
+    time.sleep(300)
+    """
+)
+
+
 def ddpkit_run(*args: str) -> subprocess.Popen:
     """`python -m ddpkit run ARGS` in its own session, with its output captured."""
     return subprocess.Popen(

@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from run_scripts import FOREVER_SCRIPT, listening
+from run_scripts import HANG_SCRIPT, SLEEP_SCRIPT, listening
 
 RUN = "toy --global-batch 12 --steps 12 --log-every 1 --seed 3"
 # The namespaces are new and empty, so nothing else can hold this port in them.
@@ -173,8 +174,8 @@ def _run_node(host: dict, flags: str, *script: str) -> subprocess.Popen:
 
 def test_multi_node_stores_listen_on_the_nodes_addresses_only(machines, tmp_path):
     a, b = machines
-    script, ready = tmp_path / "forever.py", tmp_path / "ready"
-    script.write_text(FOREVER_SCRIPT)
+    script, ready = tmp_path / "sleep.py", tmp_path / "ready"
+    script.write_text(SLEEP_SCRIPT)
     launch = f"--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint {a['addr']}:{PORT} --rdzv-id bind"
     nodes = [_run_node(a, f"{launch} --local-addr {a['addr']}", str(script), str(ready))]
     try:
@@ -182,7 +183,7 @@ def test_multi_node_stores_listen_on_the_nodes_addresses_only(machines, tmp_path
         nodes.append(_run_node(b, f"{launch} --local-addr {b['addr']}", str(script), str(ready)))
         deadline = time.monotonic() + 90
         while not ready.exists():
-            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "no training steps"
+            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "no workers"
             time.sleep(0.05)
         on_a, on_b = listening(nodes[0].pid, a["ns"]), listening(nodes[1].pid, b["ns"])
     finally:
@@ -193,3 +194,21 @@ def test_multi_node_stores_listen_on_the_nodes_addresses_only(machines, tmp_path
     assert f"{a['addr']}:{PORT}" in on_a and len(on_a) + len(on_b) == 2, (on_a, on_b)
     for host, addresses in ((a, on_a), (b, on_b)):
         assert all(x.startswith(f"{host['addr']}:") for x in addresses), addresses
+
+
+def test_a_hang_across_machines_is_reported_with_the_remote_ranks_stack(machines, tmp_path):
+    a, b = machines
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT)  # rank 1, on b, never reaches the all-reduce of step 5
+    launch = f"--nnodes 2 --nproc 1 --master-addr {a['addr']} --master-port {PORT} --collective-timeout 3"
+    args = (str(script), str(tmp_path / "ready"))
+    nodes = [_run_node(a, f"{launch} --node-rank 0", *args)]
+    _wait_listening(a, nodes[0])
+    nodes.append(_run_node(b, f"{launch} --node-rank 1", *args))
+    (code_a, _, err_a), (code_b, _, err_b) = (_finish(node, 120) for node in nodes)
+    last_a, last_b = err_a.strip().splitlines()[-1], err_b.strip().splitlines()[-1]
+    assert code_a == code_b == 1, err_a[-3000:]
+    assert "rank 0 waited" in last_a and "rank 1 has not reached it" in last_a, err_a[-3000:]
+    assert last_b == last_a  # node b names the same hang, from node 0's verdict
+    report = Path(last_a.rsplit(" is in ", 1)[1]).read_text()
+    assert "in stuck_forever" in report.split("stacks of rank 1")[1], report  # fetched from b

@@ -2,7 +2,7 @@
 
 torch's TCPStore has no authentication: from another machine (or network namespace), anyone who
 reaches the port can read and overwrite every key. `ss -ltnp` shows where the launcher process
-listens while its workers train; the multi-node case is in test_multinode_netns.py.
+listens while its workers run; the multi-node case is in test_multinode_netns.py.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import signal
 import time
 
 import pytest
-from run_scripts import FOREVER_SCRIPT, ddpkit_run, listening
+from run_scripts import SLEEP_SCRIPT, ddpkit_run, listening
 
 from ddpkit.launch.ports import free_port
 
 
 @pytest.mark.parametrize("flags", [[], ["--standalone"], ["--nnodes", "1", "--master-port", "PORT"]])
 def test_single_node_stores_listen_on_loopback_only(tmp_path, flags):
-    script, ready = tmp_path / "forever.py", tmp_path / "ready"
-    script.write_text(FOREVER_SCRIPT)
+    script, ready = tmp_path / "sleep.py", tmp_path / "ready"
+    script.write_text(SLEEP_SCRIPT)
     flags = [str(free_port()) if f == "PORT" else f for f in flags]
     launcher = ddpkit_run("--nproc", "2", *flags, str(script), str(ready))
     try:

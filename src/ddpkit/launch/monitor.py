@@ -7,7 +7,8 @@ them in the round's worker store (``stores.FreshWorkerStore``), under ``ddpkit/r
     state/RANK   each launcher: its ranks' ``WorkerState``.
     request      node 0, on a hang: a number; each launcher answers with its ranks' stacks.
     stack/RANK   the answer: faulthandler's dump of every thread of the rank.
-    verdict      node 0: the one-line attribution; every launcher then kills its workers.
+    verdict      node 0: the one-line attribution; every launcher then kills its workers,
+    ack/NODE     and says it has seen the verdict (node 0 keeps its store up until then).
 
 Node 0 hosts the store, so it decides (``diagnostics.run_hang.find_hang``), writes the report to
 ``RUN_DIR/hang-report.txt`` and ends the round; the agent then restarts the workers
@@ -34,6 +35,8 @@ from ddpkit.launch.workerview import LocalRanks, dump_stacks, is_our_worker
 PREFIX = "ddpkit/run"
 STORE_TIMEOUT_S = 5.0
 ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
+ACK_S = 10.0  # how long node 0 keeps the store up for the other nodes to read a verdict
+QUIET_S = 10.0  # after a failed store call, how long to wait before the next
 
 
 class HangMonitor:
@@ -50,23 +53,32 @@ class HangMonitor:
         self.run_dir, self.timeout_s, self.poll_s, self.announce = run_dir, timeout_s, poll_s, announce
         self.verdict: str | None = None
         self.report_path = run_dir / "hang-report.txt"
-        self._round: tuple[int, dist.Store, int] | None = None  # node rank, store, generation
+        self._round: tuple[int, int, dist.Store, int] | None = None  # node rank, nodes, store, generation
         self._worker_store: dist.Store | None = None
+        self._host_store: dist.Store | None = None
+        self._quiet_until = 0.0
         self._seen_generation, self._answered, self._ended = 0, "", False
         self._local = LocalRanks(run_dir)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def on_round(self, node_rank: int, store: dist.Store) -> None:
-        """A new round is about to start its workers (the agent stopped the last round's)."""
+    def on_round(self, node_rank: int, nnodes: int, store: dist.Store) -> None:
+        """A new round is about to start its workers (the agent stopped the last round's).
+
+        Args:
+            node_rank: this node's rank in the round (0 hosts ``store``).
+            nnodes: the nodes in the round.
+            store: the round's worker store; kept, so that on node 0 it outlives the agent until
+                the other nodes have read a verdict.
+        """
         for pattern in ("progress-*", "stacks-*", "exit-*"):
             for path in self.run_dir.glob(pattern):
                 path.unlink(missing_ok=True)
         clone = store.clone()
         clone.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-        generation = self._round[2] + 1 if self._round else 1
-        self._round = (node_rank, dist.PrefixStore(PREFIX, clone), generation)
-        self._worker_store = clone
+        generation = self._round[3] + 1 if self._round else 1
+        self._round = (node_rank, nnodes, dist.PrefixStore(PREFIX, clone), generation)
+        self._worker_store, self._host_store = clone, store
 
     def watchdog_reporter(self) -> int | None:
         """The rank whose own HangWatchdog (``ddpkit train``, ``ddpkit.Run``) reported a hang in
@@ -86,19 +98,23 @@ class HangMonitor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.poll_s + ANSWER_S + STORE_TIMEOUT_S)
+            self._thread.join(timeout=self.poll_s + ANSWER_S + ACK_S + STORE_TIMEOUT_S)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if time.monotonic() < self._quiet_until:
+                continue
             try:
                 self._tick()
-            except RuntimeError:  # DistError: node 0 (the store) is gone; the agent will notice
-                continue
+            except RuntimeError:
+                # DistError: node 0, the store's host, is gone or cut off. Each failed call prints
+                # torch's C++ trace, so try again only now and then; the agent will notice.
+                self._quiet_until = time.monotonic() + QUIET_S
 
     def _tick(self) -> None:
         if self._round is None:
             return
-        node_rank, store, generation = self._round
+        node_rank, nnodes, store, generation = self._round
         if generation != self._seen_generation:
             self._seen_generation, self._answered, self._ended = generation, "", False
             self._local.reset()
@@ -110,8 +126,11 @@ class HangMonitor:
             return
         if store.check(["verdict"]):
             self._end(store.get("verdict").decode(), announce=False)
+            store.set(f"ack/{node_rank}", "1")  # node 0 may now let its store go
         elif node_rank == 0 and local:
             self._decide(store, max(s.world for s in local.values()))
+            if self._ended:
+                self._await_acks(store, nnodes)
 
     def _answer(self, store: dist.Store) -> None:
         """Another node's launcher asks for stacks: dump this node's ranks into the store."""
@@ -157,6 +176,13 @@ class HangMonitor:
                     stacks[rank] = store.get(f"stack/{rank}").decode()
             time.sleep(0.2)
         return stacks
+
+    def _await_acks(self, store: dist.Store, nnodes: int) -> None:
+        """Keep node 0's store up until every node has read the verdict (or ``ACK_S`` passed):
+        a node whose rank spins in Python would otherwise never learn that the job is over."""
+        deadline = time.monotonic() + ACK_S
+        while not store.check([f"ack/{n}" for n in range(1, nnodes)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def _end(self, verdict: str, announce: bool) -> None:
         """Kill this node's workers of the hung round; the agent then restarts them or gives up."""

@@ -108,7 +108,8 @@ class FreshWorkerStore(RendezvousHandler):
         bind: the address node 0 listens on for the workers.
         advertise: the address the workers connect to (``bind``, unless that is a wildcard).
         timeout_s: the store's timeout, and how long other nodes wait for node 0's address.
-        on_round: called with (this node's rank, a client of the new store) after each round.
+        on_round: called after each round with this node's rank, the number of nodes, and the
+            new store (node 0: the store itself, so the callee may keep it up; others: a client).
     """
 
     def __init__(
@@ -117,7 +118,7 @@ class FreshWorkerStore(RendezvousHandler):
         bind: str,
         advertise: str,
         timeout_s: float,
-        on_round: Callable[[int, dist.Store], None] | None = None,
+        on_round: Callable[[int, int, dist.Store], None] | None = None,
     ) -> None:
         self.inner, self.bind, self.advertise, self.timeout_s = inner, bind, advertise, timeout_s
         self.on_round = on_round
@@ -142,7 +143,7 @@ class FreshWorkerStore(RendezvousHandler):
                 host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s)
             )
         if self.on_round is not None:
-            self.on_round(info.rank, self.worker_store)
+            self.on_round(info.rank, info.world_size, self.worker_store)
         return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port)))
 
     def is_closed(self) -> bool:
