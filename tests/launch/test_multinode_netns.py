@@ -164,10 +164,11 @@ def test_a_node_zero_on_the_wrong_machine(machines, tmp_path):
     assert code == 2 and f"--node-rank 1 did not join the rendezvous at {a['addr']}:{PORT} within 5 s" in err
 
 
-def _run_node(host: dict, flags: str, *script: str) -> subprocess.Popen:
-    """`ddpkit run` inside a namespace (`ip netns exec` execs it: the pid is the launcher's)."""
-    run = [sys.executable, "-m", "ddpkit", "run", *flags.split(), *script]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": host["iface"]}
+def _run_node(host: dict, flags: str, script: Path, *args: str) -> subprocess.Popen:
+    """`ddpkit run` inside a namespace (`ip netns exec` execs it: the pid is the launcher's); its
+    run folder (and any report) goes beside the script."""
+    run = [sys.executable, "-m", "ddpkit", "run", *flags.split(), str(script), *args]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": host["iface"], "TMPDIR": str(script.parent)}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(["ip", "netns", "exec", host["ns"], *run], env=env, **pipes)
 
@@ -177,10 +178,10 @@ def test_multi_node_stores_listen_on_the_nodes_addresses_only(machines, tmp_path
     script, ready = tmp_path / "sleep.py", tmp_path / "ready"
     script.write_text(SLEEP_SCRIPT)
     launch = f"--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint {a['addr']}:{PORT} --rdzv-id bind"
-    nodes = [_run_node(a, f"{launch} --local-addr {a['addr']}", str(script), str(ready))]
+    nodes = [_run_node(a, f"{launch} --local-addr {a['addr']}", script, str(ready))]
     try:
         _wait_listening(a, nodes[0])
-        nodes.append(_run_node(b, f"{launch} --local-addr {b['addr']}", str(script), str(ready)))
+        nodes.append(_run_node(b, f"{launch} --local-addr {b['addr']}", script, str(ready)))
         deadline = time.monotonic() + 90
         while not ready.exists():
             assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "no workers"
@@ -201,7 +202,7 @@ def test_a_hang_across_machines_is_reported_with_the_remote_ranks_stack(machines
     script = tmp_path / "hang.py"
     script.write_text(HANG_SCRIPT)  # rank 1, on b, never reaches the all-reduce of step 5
     launch = f"--nnodes 2 --nproc 1 --master-addr {a['addr']} --master-port {PORT} --collective-timeout 3"
-    args = (str(script), str(tmp_path / "ready"))
+    args = (script, str(tmp_path / "ready"))
     nodes = [_run_node(a, f"{launch} --node-rank 0", *args)]
     _wait_listening(a, nodes[0])
     nodes.append(_run_node(b, f"{launch} --node-rank 1", *args))

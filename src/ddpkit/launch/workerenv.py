@@ -25,7 +25,8 @@ TORCH_SETS = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")
 @contextmanager
 def run_directory() -> Iterator[Path]:
     """A private folder for the workers' progress and stacks; only reports outlive the launch."""
-    path = Path(tempfile.mkdtemp(prefix="ddpkit-run-"))
+    _sweep_orphaned(Path(tempfile.gettempdir()))
+    path = Path(tempfile.mkdtemp(prefix=f"ddpkit-run-{os.getpid()}-"))
     try:
         yield path
     finally:
@@ -34,6 +35,17 @@ def run_directory() -> Iterator[Path]:
                 if child.name not in REPORTS:
                     child.unlink(missing_ok=True)
         else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _sweep_orphaned(tmp: Path) -> None:
+    """Remove the run folders of launchers that were killed (no ``finally`` ran), unless they
+    hold a report: ``ddpkit-run-PID-*`` whose PID is gone."""
+    for path in tmp.glob("ddpkit-run-*-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists() or not path.is_dir():
+            continue
+        if not any((path / name).exists() for name in REPORTS):
             shutil.rmtree(path, ignore_errors=True)
 
 
