@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpkit.diagnostics.run_hang import WorkerState, find_hang, format_report
+from ddpkit.diagnostics.run_hang import WorkerState, auto_timeout, find_hang, format_report
 
 NOW = 1000.0
 
@@ -44,3 +44,8 @@ def test_a_silent_launcher_counts_its_silence_and_is_called_unreachable():
     text = format_report("summary", 30, 3, states, {1: "Current thread ...\n"}, NOW)
     assert "rank 0: issued #7; idle 35.0 s" in text and "network to h, is unreachable" in text
     assert "rank 1: issued #6, 1 behind" in text and "(no stack: the rank could not be asked)" in text
+
+
+def test_without_a_timeout_given_the_scripts_own_group_timeout_sets_it():
+    assert auto_timeout({0: _state(0, 7, 1, group_timeout_s=600), 1: _state(1, 7, 1)}) == 540
+    assert auto_timeout({0: _state(0, 7, 1)}) == 0.9 * 1800  # unknown: torch's default for gloo

@@ -95,7 +95,9 @@ def time_launcher_tick(ticks: int = 200) -> None:
     monitor = HangMonitor(run_dir, 900)
     monitor.on_round(0, 1, store)
     for rank in range(2):
-        (run_dir / f"progress-{rank}").write_text(f"{os.getpid()} 5 {time.time():.3f} 0 2".ljust(63) + "\n")
+        (run_dir / f"progress-{rank}").write_text(
+            f"{os.getpid()} 5 {time.time():.3f} 0 2 1800".ljust(63) + "\n"
+        )
     start = time.thread_time()
     for _ in range(ticks):
         monitor._tick()

@@ -21,6 +21,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 IDLE_CPU = 0.1  # share of one core below which a rank that made no progress is waiting, not working
+# Without --collective-timeout: this share of the script's own process-group timeout, so that the
+# report comes before torch's timeout error, and nothing torch would let wait is ended.
+AUTO_SHARE = 0.9
+TORCH_DEFAULT_TIMEOUT_S = 1800.0  # gloo's, when a rank's group timeout could not be read
 STALE_S = 15.0  # a launcher silent this long has lost its node, or the network to it
 
 
@@ -39,6 +43,7 @@ class WorkerState:
         cpu_s: CPU seconds the process used since ``seq`` last changed.
         proc: the process state: running, sleeping, stopped (SIGSTOP), exited.
         heard_wall: ``time.time()`` when the launcher looked.
+        group_timeout_s: the timeout of its default process group (0: unknown).
     """
 
     rank: int
@@ -51,6 +56,7 @@ class WorkerState:
     cpu_s: float
     proc: str
     heard_wall: float
+    group_timeout_s: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -65,6 +71,12 @@ class WorkerState:
 
     def silent_s(self, now_wall: float) -> float:
         return max(0.0, now_wall - self.heard_wall)
+
+
+def auto_timeout(states: Mapping[int, WorkerState]) -> float:
+    """The collective timeout when none was given: ``AUTO_SHARE`` of the ranks' group timeout."""
+    timeouts = [s.group_timeout_s for s in states.values() if s.group_timeout_s > 0]
+    return AUTO_SHARE * (max(timeouts) if timeouts else TORCH_DEFAULT_TIMEOUT_S)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -134,6 +146,7 @@ def format_report(
     states: Mapping[int, WorkerState],
     stacks: Mapping[int, str],
     now_wall: float,
+    source: str = "--collective-timeout",
 ) -> str:
     """The whole report: the attribution, one line per rank, then each rank's stacks.
 
@@ -144,10 +157,11 @@ def format_report(
         states: each rank's state.
         stacks: each rank's faulthandler dump (all threads, most recent call first), or why none.
         now_wall: ``time.time()`` when the report was made.
+        source: where ``timeout_s`` came from, for the first line.
     """
     newest = max((s.seq for s in states.values()), default=-1)
     lines = [
-        f"ddpkit hang report: a collective did not complete within {timeout_s:g} s (--collective-timeout)",
+        f"ddpkit hang report: a collective did not complete within {timeout_s:g} s ({source})",
         summary,
         "",
         "ranks:",

@@ -25,10 +25,6 @@ from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
 from ddpkit.launch.workerenv import environment, run_directory, worker_variables
 from ddpkit.launch.workerview import write_exit_stacks
 
-# Generous: a collective rarely waits minutes in a healthy job. Below gloo's own 30 minutes, so the
-# report comes before torch's timeout error; NCCL's watchdog (10 minutes) ends a GPU hang first.
-DEFAULT_COLLECTIVE_TIMEOUT = 900.0
-
 # The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
 LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (
@@ -115,9 +111,10 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--collective-timeout",
         type=float,
-        default=DEFAULT_COLLECTIVE_TIMEOUT,
+        default=None,
         help="seconds a collective may wait before the launcher reports which ranks did not reach it, "
-        "with every rank's stack, and ends the run (0: off)",
+        "with every rank's stack, and ends the run (default: 90%% of the script's own process-group "
+        "timeout, 27 minutes for gloo's default; 0: off)",
     )
     return parser
 
@@ -216,13 +213,14 @@ def launch_agent(ns: argparse.Namespace, monitor: HangMonitor) -> None:
     elastic_launch(config, entrypoint)(*args)
 
 
-def run_elastic(ns: argparse.Namespace, collective_timeout: float = 0.0) -> None:
+def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) -> None:
     """Start the workers under torchrun's elastic agent and wait for them.
 
     Args:
         ns: torchrun's parsed flags.
         collective_timeout: seconds a collective may take before the launcher reports a hang
-            and ends the round (0: no monitoring; ``ddpkit train`` has its own, in the workers).
+            and ends the round; None: 90% of the script's own process-group timeout; 0: no
+            monitoring (``ddpkit train`` has its own, in the workers).
 
     Raises:
         ConfigError: a bad flag, found before anything starts, or bad multi-node input found at
@@ -230,16 +228,17 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float = 0.0) -> None
         WorkerFailure: a worker failed (after any restarts); the message names the rank, or the hang.
     """
     check_launch_args(ns)
-    if collective_timeout < 0:
+    if collective_timeout is not None and collective_timeout < 0:
         raise ConfigError(
             f"--collective-timeout {collective_timeout:g} is below 0; "
             "give seconds, or 0 to turn hang reports off"
         )
     with run_directory() as run_dir:
         monitor = HangMonitor(run_dir, collective_timeout, announce=ns.max_restarts > 0)
-        progress_s = monitor.poll_s if collective_timeout else 0.0
+        watched = collective_timeout != 0
+        progress_s = monitor.poll_s if watched else 0.0
         with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
-            if collective_timeout:
+            if watched:
                 monitor.start()
             try:
                 launch_agent(ns, monitor)

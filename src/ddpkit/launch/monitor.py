@@ -29,7 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ddpkit.diagnostics.hang_store import STORE_PREFIX as HANG_STORE_PREFIX
-from ddpkit.diagnostics.run_hang import WorkerState, find_hang, format_report
+from ddpkit.diagnostics.run_hang import WorkerState, auto_timeout, find_hang, format_report
 from ddpkit.launch.workerview import LocalRanks, dump_stacks, is_our_worker
 
 PREFIX = "ddpkit/run"
@@ -37,19 +37,23 @@ STORE_TIMEOUT_S = 5.0
 ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
 ACK_S = 10.0  # how long node 0 keeps the store up for the other nodes to read a verdict
 QUIET_S = 10.0  # after a failed store call, how long to wait before the next
+AUTO_SOURCE = "90% of the script's process-group timeout; --collective-timeout S sets another"
 
 
 class HangMonitor:
-    """Watches the workers of every round; ``start()`` only when ``timeout_s`` > 0.
+    """Watches the workers of every round; ``start()`` it unless ``timeout_s`` is 0.
 
     Args:
         run_dir: the run directory the workers write their progress and stacks to.
-        timeout_s: ``--collective-timeout``: seconds a collective may take (0: no monitoring).
+        timeout_s: ``--collective-timeout``: seconds a collective may take; None: ``AUTO_SHARE`` of
+            the script's own process-group timeout; 0: no monitoring.
         poll_s: how often to look.
         announce: print the verdict when it is reached (restarts follow; else the failure says it).
     """
 
-    def __init__(self, run_dir: Path, timeout_s: float, poll_s: float = 1.0, announce: bool = False) -> None:
+    def __init__(
+        self, run_dir: Path, timeout_s: float | None, poll_s: float = 1.0, announce: bool = False
+    ) -> None:
         self.run_dir, self.timeout_s, self.poll_s, self.announce = run_dir, timeout_s, poll_s, announce
         self.verdict: str | None = None
         self.report_path = run_dir / "hang-report.txt"
@@ -142,16 +146,18 @@ class HangMonitor:
 
     def _decide(self, store: dist.Store, world: int) -> None:
         states = self._states(store, world)
-        summary = find_hang(states, world, self.timeout_s, time.time())
+        timeout = self.timeout_s or auto_timeout(states)
+        summary = find_hang(states, world, timeout, time.time())
         if summary is None:
             return
+        source = "--collective-timeout" if self.timeout_s else AUTO_SOURCE
         stacks = self._stacks(store, world)
-        text = format_report(summary, self.timeout_s, world, states, stacks, time.time())
+        text = format_report(summary, timeout, world, states, stacks, time.time(), source)
         tmp = self.report_path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(self.report_path)
         verdict = (
-            f"a collective did not complete within {self.timeout_s:g} s (--collective-timeout): "
+            f"a collective did not complete within {timeout:g} s ({source}): "
             f"{summary}; every rank's stack is in {self.report_path}"
         )
         store.set("verdict", verdict)

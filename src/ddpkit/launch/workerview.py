@@ -24,12 +24,13 @@ PROC_STATES = {
 
 @dataclass(frozen=True)
 class Progress:
-    """One line of ``progress-RANK``: ``PID SEQ WALL LEFT WORLD``."""
+    """One line of ``progress-RANK``: ``PID SEQ WALL LEFT WORLD TIMEOUT``."""
 
     pid: int
     seq: int
     left: bool
     world: int
+    group_timeout_s: float
 
 
 def read_progress(run_dir: Path) -> dict[int, Progress]:
@@ -37,8 +38,9 @@ def read_progress(run_dir: Path) -> dict[int, Progress]:
     found = {}
     for path in run_dir.glob("progress-*"):
         try:
-            pid, seq, _, left, world = path.read_text().split()
-            found[int(path.name.split("-")[1])] = Progress(int(pid), int(seq), left == "1", int(world))
+            pid, seq, _, left, world, timeout = path.read_text().split()
+            progress = Progress(int(pid), int(seq), left == "1", int(world), float(timeout))
+            found[int(path.name.split("-")[1])] = progress
         except (OSError, ValueError):
             continue
     return found
@@ -90,6 +92,7 @@ class LocalRanks:
         return WorkerState(
             rank=rank, world=progress.world, pid=progress.pid, host=self.host, seq=progress.seq,
             left=progress.left, idle_s=now_mono - mono, cpu_s=max(0.0, cpu - cpu0),
+            group_timeout_s=progress.group_timeout_s,
             proc=PROC_STATES.get(stat[0], stat[0]) if stat else "exited", heard_wall=now_wall,
         )  # fmt: skip
 

@@ -67,33 +67,52 @@ def _unregister(stack_signal: int) -> None:
     faulthandler.unregister(signal.SIGTERM)
 
 
-def _sequence_number() -> int:
-    """The default group's collective count; -1 before the group exists (or while torch imports)."""
+def _default_group():
+    """The default process group, or None (not created yet, torch half-imported, being destroyed)."""
     c10d = getattr(sys.modules.get("torch.distributed"), "distributed_c10d", None)
     try:
-        if c10d is None or not c10d.is_initialized():
-            return -1
-        return c10d._get_default_group()._get_sequence_number_for_group()
-    except Exception:  # half-imported torch, a group being destroyed: report "none" this time
+        return c10d._get_default_group() if c10d is not None and c10d.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _sequence_number(group) -> int:
+    """The group's collective count; -1 without a group."""
+    try:
+        return group._get_sequence_number_for_group() if group is not None else -1
+    except Exception:
         return -1
 
 
+def _group_timeout_s(group) -> float:
+    """The timeout the script gave its process group (torch's default unless it chose one); 0 if unknown."""
+    try:
+        return group._get_backend(group._device_types[0]).options._timeout.total_seconds()
+    except Exception:  # private API: without it the launcher falls back to torch's default
+        return 0.0
+
+
 def _watch_progress(path: str, period_s: float, stop: threading.Event) -> None:
-    """Write ``PID SEQ WALL LEFT WORLD`` whenever the sequence number changes, in one fixed-size record.
+    """Write ``PID SEQ WALL LEFT WORLD TIMEOUT`` whenever the sequence number changes, in one
+    fixed-size record.
 
     ``LEFT`` is 1 once the group is gone after it existed (``destroy_process_group``); ``SEQ``
-    then keeps its last value. ``os.pwrite`` on a raw descriptor takes no Python lock, so a fork
-    in the main thread (a DataLoader starting workers) never copies a lock this thread holds.
+    then keeps its last value. ``TIMEOUT`` is the group's own timeout, in seconds. ``os.pwrite``
+    on a raw descriptor takes no Python lock, so a fork in the main thread (a DataLoader starting
+    workers) never copies a lock this thread holds.
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    world, last, record = os.environ.get("WORLD_SIZE", "0"), None, -1
+    world, last, record, timeout = os.environ.get("WORLD_SIZE", "0"), None, -1, 0.0
     while True:
-        seq = _sequence_number()
+        group = _default_group()
+        seq = _sequence_number(group)
+        if seq >= 0 and record < 0:
+            timeout = _group_timeout_s(group)
         record = seq if seq >= 0 else record
         now = (record, record >= 0 and seq < 0)  # (the last count seen, whether the group is gone)
         if now != last:
             last = now
-            line = f"{os.getpid()} {record} {time.time():.3f} {int(now[1])} {world}"
+            line = f"{os.getpid()} {record} {time.time():.3f} {int(now[1])} {world} {timeout:.0f}"
             os.pwrite(fd, line.ljust(63).encode() + b"\n", 0)
         if stop.wait(period_s):
             break
