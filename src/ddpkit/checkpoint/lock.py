@@ -2,8 +2,8 @@
 
 The kernel drops the lock when the holding process dies however it dies (SIGKILL included), so a
 stale lock never blocks the next run; while the holder lives, a second run on the same folder
-fails at once with one line naming the holder. Processes forked from the holder (DataLoader
-workers) share the lock and keep it until they exit too.
+fails at once with one line naming the holder. A forked child (a DataLoader worker) would share
+the lock and could outlive a killed holder by seconds, so children close their copy at fork.
 """
 
 from __future__ import annotations
@@ -43,10 +43,16 @@ class OutLock:
                 f"{str(self.path.parent)!r} is in use by a running ddpkit run ({holder}); wait for it "
                 "to end, or choose another output folder"
             ) from None
+        os.register_at_fork(after_in_child=self._forget)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since {time.ctime()}\n".encode(), 0)
         self._fd = fd
         return self
+
+    def _forget(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the child's copy only: the parent keeps the lock
+            self._fd = None
 
     def release(self) -> None:
         """Let go of the lock (closing the file releases it); safe to call twice."""
