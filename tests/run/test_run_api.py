@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,7 +30,9 @@ def _model() -> nn.Module:
 
 def _train(out, n: int, global_batch: int, micro_batch: int | None, zero_last: bool) -> dict:
     """One epoch of a user loop; ``zero_last`` calls zero_grad after step instead of before backward."""
-    run = ddpkit.Run(out=out, global_batch=global_batch, micro_batch=micro_batch, progress=False, seed=5)
+    run = ddpkit.Run(
+        out=out, global_batch=global_batch, micro_batch=micro_batch, progress=False, seed=5, log_every=1
+    )
     model = run.setup(_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
@@ -54,20 +57,22 @@ def _train(out, n: int, global_batch: int, micro_batch: int | None, zero_last: b
     }
 
 
-def _reference(n: int, global_batch: int) -> tuple[dict, list[float]]:
-    """The same epoch in one process, one plain step per global batch."""
+def _reference(n: int, global_batch: int) -> tuple[dict, list[float], list[float]]:
+    """The same epoch in one process, one plain step per global batch: weights, lrs and losses."""
     data, model = _data(n), _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    sampler, lrs = GlobalBatchSampler(n, global_batch, 0, 1, seed=5), []
+    sampler, lrs, losses = GlobalBatchSampler(n, global_batch, 0, 1, seed=5), [], []
     for batch in sampler.epoch_batches():
         x, y = data[batch]
         optimizer.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    return model.state_dict(), lrs
+    return model.state_dict(), lrs, losses
 
 
 @pytest.mark.parametrize(
@@ -88,7 +93,14 @@ def test_an_epoch_equals_one_process_on_each_global_batch(
     tmp_path, world, n, global_batch, micro_batch, zero_last
 ):
     ranks = ddpkit.launch(_train, world, (str(tmp_path / "run"), n, global_batch, micro_batch, zero_last))
-    expected, lrs = _reference(n, global_batch)
+    expected, lrs, losses = _reference(n, global_batch)
+    # The logged loss of every step is the mean over its global batch, as one process computes it.
+    logged = [
+        json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(logged) == len(losses)
+    for step, (a, b) in enumerate(zip(losses, logged, strict=True), 1):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: one process's loss {a}, world {world}'s {b}"
     for result in ranks:
         assert result["steps"] == len(lrs)
         assert result["lrs"] == lrs, "the user's LambdaLR must step once per global batch"
