@@ -80,3 +80,12 @@ def test_bad_init_method_is_named(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert "DDPKIT_LAUNCHER" not in os.environ
+
+
+def test_a_users_omp_num_threads_stands(monkeypatch):
+    # ddpkit would give each of 2 processes cores // 2 threads; the user asks for 2 (torch caps the
+    # number at the core count, so 2 is the largest value that shows the difference on 2 cores).
+    wanted = 2 if cpu_cores() // 2 != 2 else 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(wanted))  # the children inherit it; torch reads it at import
+    results = run_ranks(_join_and_sum_env, 2)
+    assert [threads for _, _, threads in results] == [wanted, wanted]

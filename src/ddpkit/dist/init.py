@@ -86,7 +86,8 @@ def init_distributed(
     device = _device_for(chosen, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, cpu_cores() // local_world_size))
+    if "OMP_NUM_THREADS" not in os.environ:  # a user's (or the launcher's) choice stands
+        torch.set_num_threads(max(1, cpu_cores() // local_world_size))
     _init_group(chosen, init_method or found.init_method, rank, world_size, timeout)
     # Once per process (unregister first, so repeated inits do not stack up handlers).
     atexit.unregister(release_process_groups)

@@ -2,10 +2,11 @@
 boundary that every rank agrees on, with a checkpoint of that step.
 
 The handler only records the signal. Ranks receive it at slightly different moments, so they
-agree with one all-reduce (MAX of the signal number) every ``every`` steps, sized from the
-measured step time to about half a second: the agreement costs one tiny collective per half
-second, and a stop waits at most that long plus a step. A second signal exits at once; the
-checkpoint being written is then abandoned and the previous good one stays.
+agree with one all-reduce (MAX of the signal number) every ``every`` steps: about half a second
+of steps by the measured step time, and at most ``log_every`` steps. The agreement costs one tiny
+collective per half second or per log line, and a stop waits at most that long plus a step. A
+second signal exits at once; the checkpoint being written is then abandoned and the previous good
+one stays.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class Preemption:
             os._exit(128 + number)
         self.received = number
 
-    def pace(self, seconds_per_step: float) -> None:
-        """Agree about every AGREE_S seconds; ``seconds_per_step`` must be the same on every rank."""
-        self.every = max(1, int(AGREE_S / seconds_per_step)) if seconds_per_step > 0 else 1
+    def pace(self, seconds_per_step: float, at_most: int) -> None:
+        """Agree about every AGREE_S seconds, and at least every ``at_most`` steps (log_every);
+        ``seconds_per_step`` must be the same on every rank."""
+        steps = int(AGREE_S / seconds_per_step) if seconds_per_step > 0 else 1
+        self.every = max(1, min(steps, at_most))
 
     def agreed(self, step: int) -> int:
         """The signal every rank now acts on (0: none). Collective on the steps that agree."""

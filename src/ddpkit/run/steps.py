@@ -122,7 +122,7 @@ class StepCycle:
         steps = self.step - self.paced_step
         if steps > 0:
             slowest = max(r["data_s"] + r["compute_s"] + r["comm_wait_s"] for r in ranks)
-            self.preemption.pace(slowest / steps)
+            self.preemption.pace(slowest / steps, self.monitor.cfg.log_every)
         self.paced_step = self.step
 
     def _extra(self) -> dict:
