@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,7 +143,7 @@ class Monitor:
         total[0] += value.detach().double() if isinstance(value, Tensor) else float(value)
         total[1] += 1
 
-    def step_done(self, step: int, ended: bool, last: bool, extra: dict) -> dict | None:
+    def step_done(self, step: int, ended: bool, last: bool, extra: Callable[[], dict]) -> dict | None:
         """After a step (``ended``), or at the run's end: a log line when due. Collective when due:
         every rank reaches the same steps, so all agree on it."""
         self.clock.add("compute_s", max(0.0, time.perf_counter() - self.mark))
@@ -153,7 +154,7 @@ class Monitor:
         if not (due or last) or step == self.logged_step or step == self.start_step:
             return None
         self.phase(step, "log: loss, timings and metrics all_gather")
-        record = self._record(step, extra)
+        record = self._record(step, extra())
         if self.env.is_rank0:
             self._report(step, record)
         self.window.reset()
@@ -161,11 +162,15 @@ class Monitor:
         return record
 
     def _record(self, step: int, extra: dict) -> dict:
-        loss, samples, ranks = self.window.gather(self.env)
+        # Whether any rank logged metrics rides on the tensor gather, so the pickled gather of their
+        # names and values (ranks may have logged different ones) runs only when there are some.
+        loss, samples, ranks = self.window.gather(self.env, flag=float(bool(self.user)))
         elapsed = time.perf_counter() - self.window.start
-        mine = {name: (float(total), count) for name, (total, count) in self.user.items()}
-        everyone: list[dict | None] = [None] * self.env.world_size
-        dist.all_gather_object(everyone, mine)  # objects: ranks may have logged different names
+        everyone: list[dict | None] = [{}] * self.env.world_size
+        if self.window.max_flag:
+            mine = {name: (float(total), count) for name, (total, count) in self.user.items()}
+            everyone = [None] * self.env.world_size
+            dist.all_gather_object(everyone, mine)
         self.user.clear()
         return {
             "step": step,

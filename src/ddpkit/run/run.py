@@ -228,8 +228,8 @@ class Run:
         """
         micro = self.cycle.micro
         scale = micro.scale if micro is not None else 1.0
-        if micro is not None:
-            self.monitor.window.add(loss.detach().float() * micro.samples, 0)
+        if micro is not None:  # one in-place op, no host sync: the loss stays on the device
+            self.monitor.window.loss_sum.add_(loss.detach(), alpha=micro.samples)
         self.cycle.has_backward = True
         start = time.perf_counter()
         self.scaler.scale(loss * scale if scale != 1.0 else loss).backward()

@@ -101,7 +101,7 @@ class StepCycle:
         last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
             return
-        record = self.monitor.step_done(self.step, ended, last, self._extra())
+        record = self.monitor.step_done(self.step, ended, last, self._extra)  # built only when logged
         if record is not None:
             self._pace(record["ranks"])
         check_every = self.monitor.cfg.check_every

@@ -74,20 +74,24 @@ class Window:
         self.loss_sum += loss_sum.detach()
         self.samples += samples
 
-    def gather(self, env: DistEnv) -> tuple[float, int, list[dict]]:
-        """Global mean loss, global samples, and each rank's timings. Collective: all ranks call it."""
+    def gather(self, env: DistEnv, flag: float = 0.0) -> tuple[float, int, list[dict]]:
+        """Global mean loss, global samples, and each rank's timings. Collective: all ranks call it.
+
+        ``flag`` rides along; the largest any rank sent is left in ``self.max_flag``.
+        """
         spent = [self.clock.totals[f] - self.timers_at_start[f] for f in FIELDS]
         mine = torch.tensor(
-            [self.loss_sum.item(), float(self.samples), *spent], dtype=torch.float64, device=self.device
+            [self.loss_sum.item(), float(self.samples), *spent, flag], dtype=torch.float64, device=self.device
         )
         rows = [torch.empty_like(mine) for _ in range(env.world_size)]
         dist.all_gather(rows, mine)
-        table = torch.stack(rows).cpu()  # (world_size, 2 + len(FIELDS))
+        table = torch.stack(rows).cpu()  # (world_size, 2 + len(FIELDS) + 1)
         ranks = [
             {"rank": r, **{f: round(table[r, 2 + i].item(), 6) for i, f in enumerate(FIELDS)}}
             for r in range(env.world_size)
         ]
         loss_sum, samples = table[:, 0].sum().item(), int(table[:, 1].sum().item())
+        self.max_flag = table[:, -1].max().item()
         return loss_sum / max(samples, 1), samples, ranks
 
 
