@@ -110,6 +110,10 @@ def _watch_progress(path: str, period_s: float, stop: threading.Event) -> None:
             timeout = _group_timeout_s(group)
         record = seq if seq >= 0 else record
         now = (record, record >= 0 and seq < 0)  # (the last count seen, whether the group is gone)
+        # Hold no reference to the group while sleeping: one kept after destroy_process_group()
+        # lives until interpreter shutdown, where its gloo threads abort the process (SIGABRT,
+        # "terminate called without an active exception") after a run that ended well.
+        group = None
         if now != last:
             last = now
             line = f"{os.getpid()} {record} {time.time():.3f} {int(now[1])} {world} {timeout:.0f}"
