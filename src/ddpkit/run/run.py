@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,11 +25,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.checkpoint.lock import OutLock
-from ddpkit.dist import current_env, destroy, init_distributed
+from ddpkit.dist import current_env, init_distributed
 from ddpkit.errors import ConfigError
 from ddpkit.logs import setup_logging
 from ddpkit.run import state
 from ddpkit.run.config import split_options
+from ddpkit.run.end import RunEnd
 from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
 from ddpkit.run.loader import Loader
@@ -44,7 +43,6 @@ from ddpkit.run.setup import (
     kind_of,
     loader_parts,
     make_sampler,
-    save_weights,
     seed_everything,
 )
 from ddpkit.run.steps import StepCycle
@@ -52,7 +50,7 @@ from ddpkit.run.steps import StepCycle
 log = logging.getLogger(__name__)
 
 
-class Run:
+class Run(RunEnd):
     """One training run, seen from one process: process group, engine, data, checkpoints, diagnostics.
 
     Reads what the launcher set (torchrun, ``ddpkit run``, SLURM, ``ddpkit.launch``, or nothing:
@@ -274,66 +272,6 @@ class Run:
         if self._saved is not None:
             self.cycle.restore(self._resume_path, self._saved)
             self._saved = None
-
-    # --- the end ----------------------------------------------------------------------------------
-
-    def finish(self) -> None:
-        """Finish the last step (its log line and checkpoint), write OUT/NAME.pt for every model on
-        rank 0, draw OUT/loss.png, and leave the process group. All ranks call it. A run whose loop
-        ended normally is finished at exit if the script does not call this itself."""
-        if self._finished:
-            return
-        if self.monitor.bar is not None:  # the loop ran: close its last step as the run's last
-            self.cycle.finish(last=True)
-        self._restore()  # a resumed run that had nothing left to do still checks what it resumed
-        if self.env.is_rank0 and self.out is not None:
-            for name, model in self.models.items():
-                save_weights(unwrap(model), self.out / f"{name}.pt")
-        self.close(plot=True)
-
-    def close(self, plot: bool = False) -> None:
-        """Stop the diagnostics and leave the process group without another collective (after an error)."""
-        self._finished = True
-        atexit.unregister(self._finish_at_exit)
-        if hasattr(self, "_preemption"):
-            self._preemption.restore()
-        self.monitor.close(plot)
-        self._leave()
-
-    def _preempted(self, number: int, step: int) -> None:
-        """Every rank, after the preemption checkpoint: leave cleanly and exit without a traceback."""
-        self.close()
-        if self.env.is_rank0:
-            where = "checkpoint written" if self.out is not None else "no out, so no checkpoint"
-            print(
-                f"ddpkit: preempted by {signal.Signals(number).name} at step {step} ({where}); "
-                "run the same command again to resume (resume='auto')",
-                flush=True,
-            )
-        raise SystemExit(128 + number)
-
-    def _leave(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-        if self._owns_group:
-            destroy()
-
-    def _finish_at_exit(self) -> None:
-        # Only after a loop that ended normally: a rank leaving through an exception must not
-        # enter a collective its peers never reach (sys.last_value is set by the excepthook).
-        if self._finished or getattr(sys, "last_value", None) is not None or self.monitor.bar is None:
-            return self.close()
-        log.info("finishing the run at exit (run.finish() was not called)")
-        self.finish()
-
-    def __enter__(self) -> Run:
-        return self
-
-    def __exit__(self, kind: type | None, *exc: object) -> None:
-        if kind is None:
-            self.finish()
-        else:
-            self.close()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
