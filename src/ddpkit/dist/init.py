@@ -177,6 +177,11 @@ def _check_init_method(init_method: str) -> None:
         )
 
 
+def set_collective_timeout(timeout: timedelta) -> None:
+    """Give the joined group's collectives ``timeout``, after joining it with another (start-up) one."""
+    dist.distributed_c10d._set_pg_timeout(timeout)
+
+
 def destroy() -> None:
     """Leave the process group; safe to call twice or when none was created."""
     if dist.is_available() and dist.is_initialized():

@@ -43,6 +43,9 @@ class DiagnosticsConfig:
         collective_timeout: seconds a rank may spend without progress in a collective before the
             watchdog names the ranks that are behind, prints every rank's stack and ends the run;
             0 disables. Generous by default: a slow rank is not a hung one.
+        startup_timeout: seconds every rank may take to join the process group (a node still
+            pulling its container, a slow import) before start-up fails; after that the
+            collective timeout applies.
         progress: show a progress bar on rank 0.
         log_samples: each rank appends the dataset indices of each step to OUT/samples/rank{R}.jsonl.
     """
@@ -51,12 +54,15 @@ class DiagnosticsConfig:
     check_every: int = 100
     rank_table_every: int = 0
     collective_timeout: float = 1800.0
+    startup_timeout: float = 600.0
     progress: bool = True
     log_samples: bool = False
 
     def __post_init__(self) -> None:
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every} is below 1; use a positive number of steps")
+        if not 0 < self.startup_timeout < float("inf"):
+            raise ConfigError(f"startup_timeout={self.startup_timeout} must be a positive number of seconds")
         for name in ("check_every", "rank_table_every", "collective_timeout"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is below 0; use 0 to disable")

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import current_env, init_distributed
+from ddpkit.dist.init import DEFAULT_TIMEOUT, set_collective_timeout
 from ddpkit.errors import ConfigError
 from ddpkit.logs import setup_logging
 from ddpkit.run import state
@@ -84,7 +85,6 @@ class Run(RunEnd):
         seed: seeds every generator, the same on every rank, and the data order.
         backend: ``auto`` (nccl with a GPU per process, else gloo), ``gloo``, ``nccl`` or ``mpi``.
         steps: stop the loader after this many optimizer steps (None: run the epochs you loop over).
-        startup_timeout: seconds to wait for every rank to join the process group.
         **options: component settings by name: data (``global_batch``, ``micro_batch``,
             ``drop_last``, ``shuffle``), engine (``engine``, ``bucket_cap_mb``,
             ``find_unused_parameters``, ``compression``, ``sync_batchnorm``, ``broadcast_buffers``,
@@ -101,17 +101,15 @@ class Run(RunEnd):
         seed: int = 0,
         backend: str = "auto",
         steps: int | None = None,
-        startup_timeout: float = 1800.0,
         **options: Any,
     ) -> None:
         self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg = split_options(options)
         check_args(out, steps, self.ckpt_cfg.save_every)
         self.out, self.seed = (Path(out) if out is not None else None), seed
-        timeout = max(startup_timeout, self.diag_cfg.collective_timeout + 120)  # the report comes first
         # A script that joined a process group itself keeps it: the run neither creates nor destroys it.
         self._owns_group = not torch.distributed.is_initialized()
         self.env = (
-            init_distributed(backend, timeout=timedelta(seconds=timeout))
+            self._join(backend)
             if self._owns_group
             else current_env()
         )
@@ -138,6 +136,15 @@ class Run(RunEnd):
         )  # fmt: skip
         self._finished = False
         atexit.register(self._finish_at_exit)
+
+    def _join(self, backend: str):
+        """Join with the start-up timeout, then give collectives theirs: the backend's own timeout
+        comes after the watchdog's report, which explains what the backend's error would not."""
+        diag = self.diag_cfg
+        env = init_distributed(backend, timeout=timedelta(seconds=diag.startup_timeout))
+        after = diag.collective_timeout + 120 if diag.collective_timeout else DEFAULT_TIMEOUT.total_seconds()
+        set_collective_timeout(timedelta(seconds=after))
+        return env
 
     # --- registration -----------------------------------------------------------------------
 
