@@ -108,11 +108,7 @@ class Run(RunEnd):
         self.out, self.seed = (Path(out) if out is not None else None), seed
         # A script that joined a process group itself keeps it: the run neither creates nor destroys it.
         self._owns_group = not torch.distributed.is_initialized()
-        self.env = (
-            self._join(backend)
-            if self._owns_group
-            else current_env()
-        )
+        self.env = self._join(backend) if self._owns_group else current_env()
         self.device = self.env.device
         setup_logging(self.env)
         seed_everything(seed)
