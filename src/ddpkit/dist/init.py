@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.dist.env import DistEnv, read_launcher_vars
+from ddpkit.dist.threads import cpu_cores, warn_if_oversubscribed
 from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -20,14 +21,6 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 # Start-up waits for every rank to arrive, which on a busy cluster can take minutes (the seeds'
 # "skewed processing speeds"); a generous default avoids spurious timeouts there.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (respects taskset and cgroup CPU sets)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return os.cpu_count() or 1
 
 
 def resolve_backend(backend: str, local_world_size: int, gpu_count: int | None = None) -> str:
@@ -89,6 +82,8 @@ def init_distributed(
     if "OMP_NUM_THREADS" not in os.environ:  # a user's (or the launcher's) choice stands
         torch.set_num_threads(max(1, cpu_cores() // local_world_size))
     _init_group(chosen, init_method or found.init_method, rank, world_size, timeout)
+    if device.type == "cpu":  # once per process, here, rather than a collective in every engine
+        warn_if_oversubscribed()
     # Once per process (unregister first, so repeated inits do not stack up handlers).
     atexit.unregister(release_process_groups)
     atexit.register(release_process_groups)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ddpkit.diagnostics.threads import warn_if_oversubscribed
+from ddpkit.dist.threads import warn_if_oversubscribed
 from ddpkit.parallel import checks
 from ddpkit.parallel.compression import CommHook, make_hook
 from ddpkit.parallel.errors import DataParallelError
@@ -99,7 +99,7 @@ class DataParallel(nn.Module, Joinable):
         self.first_bucket_bytes = int(
             checks.default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 2**20
         )
-        warn_if_oversubscribed(self.process_group, on_cpu=any(p.device.type == "cpu" for p in params))
+        warn_if_oversubscribed(on_cpu=any(p.device.type == "cpu" for p in params))
         if init_sync:  # torch: broadcast_buffers=False also skips the buffers here, forward_sync_buffers not
             self._sync_initial_state(params, forward_sync_buffers is not None or broadcast)
         self._hook = make_hook(compression)

@@ -10,15 +10,24 @@ with one thread per process; without any communication the oversubscribed step s
 
 from __future__ import annotations
 
+import functools
 import logging
-import socket
+import os
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.dist import cpu_cores
+from ddpkit.dist.env import read_launcher_vars
 
 log = logging.getLogger("ddpkit")
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (respects taskset and cgroup CPU sets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
 
 
 def oversubscription(threads: int, local_processes: int, cores: int) -> str | None:
@@ -44,26 +53,23 @@ def oversubscription(threads: int, local_processes: int, cores: int) -> str | No
     )
 
 
-def local_processes(process_group: dist.ProcessGroup | None = None) -> int:
-    """How many ranks of ``process_group`` run on this host. A collective (all_gather_object)."""
-    hosts: list[str | None] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=process_group)
-    return hosts.count(socket.gethostname())
-
-
-def warn_if_oversubscribed(
-    process_group: dist.ProcessGroup | None = None, *, on_cpu: bool = True
-) -> str | None:
+def warn_if_oversubscribed(*, on_cpu: bool = True) -> str | None:
     """Log a warning when this host runs more compute threads than it has cores; return it.
 
-    A collective: every rank of ``process_group`` must call it, whatever its ``on_cpu``.
+    No collective: the processes on this host are the launcher's LOCAL_WORLD_SIZE. The same
+    warning is logged once per process, however many models are wrapped.
 
     Args:
-        process_group: the ranks of the job; the default group when None.
         on_cpu: whether this rank computes on the CPU; a GPU rank's threads only feed the GPU.
     """
-    processes = local_processes(process_group)
-    problem = oversubscription(torch.get_num_threads(), processes, cpu_cores()) if on_cpu else None
+    if not on_cpu:
+        return None
+    problem = oversubscription(torch.get_num_threads(), read_launcher_vars().local_world_size, cpu_cores())
     if problem is not None:
-        log.warning("rank %d: %s", dist.get_rank(), problem)
+        _warn_once(f"rank {dist.get_rank() if dist.is_initialized() else 0}: {problem}")
     return problem
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
