@@ -1,5 +1,6 @@
 """The front door for a user's own loop: ``ddpkit.Run`` and the config of each component it drives."""
 
+from ddpkit.run.config import RunConfig
 from ddpkit.run.engine import EngineConfig
 from ddpkit.run.loader import DataConfig, Loader
 from ddpkit.run.monitor import DiagnosticsConfig
@@ -15,4 +16,5 @@ __all__ = [
     "Loader",
     "OptimConfig",
     "Run",
+    "RunConfig",
 ]

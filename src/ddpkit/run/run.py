@@ -30,7 +30,7 @@ from ddpkit.dist.init import DEFAULT_TIMEOUT, set_collective_timeout
 from ddpkit.errors import ConfigError
 from ddpkit.logs import setup_logging
 from ddpkit.run import state
-from ddpkit.run.config import split_options
+from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.end import RunEnd
 from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
@@ -39,7 +39,6 @@ from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import gate
 from ddpkit.run.preempt import Preemption
 from ddpkit.run.setup import (
-    check_args,
     check_same_model,
     kind_of,
     loader_parts,
@@ -80,11 +79,7 @@ class Run(RunEnd):
     changes; the running statistics are rank 0's (broadcast before each forward).
 
     Args:
-        out: folder for checkpoints, metrics.jsonl, loss.png, model.pt and hang reports; None
-            writes nothing (and allows no checkpoints).
-        seed: seeds every generator, the same on every rank, and the data order.
-        backend: ``auto`` (nccl with a GPU per process, else gloo), ``gloo``, ``nccl`` or ``mpi``.
-        steps: stop the loader after this many optimizer steps (None: run the epochs you loop over).
+        out, seed, backend, steps: the run's own settings; see ``ddpkit.run.RunConfig``.
         **options: component settings by name: data (``global_batch``, ``micro_batch``,
             ``drop_last``, ``shuffle``), engine (``engine``, ``bucket_cap_mb``,
             ``find_unused_parameters``, ``compression``, ``sync_batchnorm``, ``broadcast_buffers``,
@@ -104,7 +99,9 @@ class Run(RunEnd):
         **options: Any,
     ) -> None:
         self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg = split_options(options)
-        check_args(out, steps, self.ckpt_cfg.save_every)
+        self.cfg = RunConfig(str(out) if out is not None else None, seed, backend, steps)
+        if out is None and self.ckpt_cfg.save_every:
+            raise ConfigError(f"save_every={self.ckpt_cfg.save_every} needs out=FOLDER for its checkpoints")
         self.out, self.seed = (Path(out) if out is not None else None), seed
         # A script that joined a process group itself keeps it: the run neither creates nor destroys it.
         self._owns_group = not torch.distributed.is_initialized()

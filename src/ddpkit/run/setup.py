@@ -25,7 +25,6 @@ from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.loader import DataConfig, dataloader_kwargs
-from ddpkit.train.config import check_split
 
 # DataLoader attributes that run.loader carries over from a DataLoader the user built.
 _CARRIED = (
@@ -130,14 +129,15 @@ def save_weights(module: nn.Module, path: Path) -> None:
     _save_atomic(module.state_dict(), path)
 
 
-def check_args(out: object, steps: int | None, save_every: int) -> None:
-    """Refuse ``ddpkit.Run`` arguments that cannot work together, before joining any process group."""
-    if steps is not None and steps < 1:
-        raise ConfigError(f"steps={steps} is below 1; use a positive number, or None to loop over epochs")
-    if out is not None and not str(out).strip():
-        raise ConfigError("out='' names no folder; pass a folder such as 'runs/mine', or None for no files")
-    if out is None and save_every:
-        raise ConfigError(f"save_every={save_every} needs out=FOLDER to write checkpoints into")
+def check_split(global_batch: int, world_size: int) -> None:
+    """Fail unless ``global_batch`` splits evenly over ``world_size`` ranks, naming the sizes that work."""
+    if global_batch % world_size == 0:
+        return
+    works = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+    raise ConfigError(
+        f"global batch {global_batch} cannot be split evenly across {world_size} processes; "
+        f"use a global batch that is a multiple of {world_size}, or a world size in {works}"
+    )
 
 
 def kind_of(obj: Any) -> str:
