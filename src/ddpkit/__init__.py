@@ -5,6 +5,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
+from ddpkit.train.task import Task
 from ddpkit.version import __version__
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "DistEnv",
     "LaunchError",
     "Run",
+    "Task",
     "__version__",
     "destroy",
     "init_distributed",

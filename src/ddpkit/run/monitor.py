@@ -21,11 +21,10 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from ddpkit.diagnostics import HangWatchdog
+from ddpkit.diagnostics.stats import StepClock, Window, rank_table, stragglers
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.train.callbacks import truncate_after
-from ddpkit.train.metrics import MetricsLog, plot_loss, read_metrics
-from ddpkit.train.stats import StepClock, Window, rank_table, stragglers
+from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
 
 log = logging.getLogger(__name__)
 

@@ -257,6 +257,13 @@ class Run(RunEnd):
         """Optimizer steps begun (inside the loop, the running one counts); a resume starts at its own."""
         return self.cycle.step
 
+    @property
+    def at_step_end(self) -> bool:
+        """True after a step's last micro-batch came out of the loader: the step is complete once
+        the optimizer steps, and a collective here (``run.evaluate``) is reached by every rank."""
+        micro = self.cycle.micro
+        return micro is not None and micro.last
+
     def _fetch(self, batches: Any) -> Any:
         start = time.perf_counter()
         batch = next(batches)

@@ -60,6 +60,7 @@ class StepCycle:
         self.env, self.monitor, self.models, self.objects, self.out = env, monitor, models, objects, out
         self.ckpt_cfg, self.optim_cfg, self.scaler, self.steps = ckpt_cfg, optim_cfg, scaler, steps
         self.step, self.saved_step, self.skipped_steps = step, step, 0
+        self.last_lr: float | None = None  # the first optimizer's rate at its last real step
         self.loader: Loader | None = None
         self.micro: Micro | None = None
         self.open = self.has_backward = self.save_now = False
@@ -130,8 +131,11 @@ class StepCycle:
             "epoch": self.loader.epoch if self.loader is not None else 0,
             "skipped_steps": self.skipped_steps,
         }
-        optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
-        return extra | ({"lr": optimizers[0].param_groups[0]["lr"]} if optimizers else {})
+        # The rate the step ran at: a scheduler stepped after the optimizer has set the next one.
+        return extra | ({"lr": self.last_lr} if self.last_lr is not None else {})
+
+    def _first_optimizer(self) -> torch.optim.Optimizer | None:
+        return next((o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)), None)
 
     def checkpoint(self) -> None:
         """Write every registered object's state at this step. Collective."""
@@ -156,6 +160,8 @@ class StepCycle:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any, closure: Any) -> Any:
         """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
+        if self.last_lr is None or optimizer is self._first_optimizer():
+            self.last_lr = optimizer.param_groups[0]["lr"]
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)  # clip and check the true gradient
         norm = total_norm(optimizer_params(optimizer), self.optim_cfg.grad_clip)

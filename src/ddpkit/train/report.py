@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
 
+from ddpkit.diagnostics.stats import FIELDS, stragglers
 from ddpkit.errors import ConfigError, OneLineParser
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.metrics import read_metrics
-from ddpkit.train.stats import FIELDS, stragglers
+from ddpkit.run.metrics import read_metrics
+from ddpkit.train.job import task_name
 
 
-def summarize(records: list[dict], cfg: TrainConfig | None) -> list[str]:
+def summarize(records: list[dict], cfg: dict | None) -> list[str]:
     """Lines of the summary: steps, losses, throughput and where the time went."""
     logged = [r for r in records if "loss" in r]
     if not logged:
         raise ConfigError("the run logged no steps yet; wait for its first --log-every steps")
     last = logged[-1]
-    lines = [f"steps          {last['step']}" + (f" of {cfg.steps}" if cfg and cfg.epochs is None else "")]
+    steps = (cfg or {}).get("run", {}).get("steps")
+    lines = [f"steps          {last['step']}" + (f" of {steps}" if steps else "")]
     lines.append(
         f"loss           first {logged[0]['loss']:.4f}  final {last['loss']:.4f}  "
         f"best {min(r['loss'] for r in logged):.4f}"
@@ -89,8 +91,10 @@ def main(argv: list[str]) -> int:
         )
     records = read_metrics(metrics)
     saved = out / "config.json"
-    cfg = TrainConfig.from_json(saved.read_text(encoding="utf-8")) if saved.is_file() else None
+    cfg = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else None
     print("\n".join(summarize(records, cfg)))
-    plot_report(records, out / "report.png", title=f"{cfg.workload if cfg else out.name}: {out}")
+    plot_report(
+        records, out / "report.png", title=f"{task_name(cfg['train']['task']) if cfg else out.name}: {out}"
+    )
     print(f"wrote {out / 'report.png'}")
     return 0

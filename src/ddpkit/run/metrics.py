@@ -1,4 +1,4 @@
-"""Run records on rank 0: one JSON line per logged step, and the loss curve as a PNG."""
+"""A run's records on rank 0: one JSON line per logged step, and the loss curve as a PNG."""
 
 from __future__ import annotations
 
@@ -44,3 +44,12 @@ def plot_loss(records: list[dict], png: Path, title: str = "training loss") -> N
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png)
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop lines logged after ``step``: a resumed run redoes those steps and logs them again."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
