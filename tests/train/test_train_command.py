@@ -35,7 +35,9 @@ def test_toy_trains_logs_and_saves(tmp_path):
     state = torch.load(out / "model.pt", weights_only=True)
     ToyModel().load_state_dict(state)  # strict: same keys and shapes as the bare model
     assert (out / "loss.png").stat().st_size > 1000
-    assert json.loads((out / "config.json").read_text())["global_batch"] == 64
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["data"]["global_batch"] == 64 and saved["train"]["task"] == "toy"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000050", "step-00000060"]
 
 
 def test_convnet_trains_on_bundled_digits(tmp_path):

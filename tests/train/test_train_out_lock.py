@@ -42,8 +42,8 @@ def test_a_running_folder_cannot_be_trained_into_resumed_or_overwritten(tmp_path
     finally:
         first.kill()
         first.wait()
-    # The killed run's lock went with it: the folder resumes.
+    # The killed run's lock went with it: the folder can be taken over.
     done = subprocess.run(
-        _train(out, "--resume", "auto", "--steps", "3"), capture_output=True, text=True, timeout=240
+        _train(out, "--overwrite", "--steps", "3"), capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,8 +1,9 @@
-"""The Trainer's diagnostics: stragglers, non-finite gradients, desync and config mismatch."""
+"""The Trainer's diagnostics (ddpkit.Run's): stragglers, non-finite gradients, desync, config mismatch."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +12,12 @@ import torch.nn.functional as F
 from helpers import run_ranks
 from torch.utils.data import TensorDataset
 
+from ddpkit.diagnostics.stats import stragglers
 from ddpkit.launch import LaunchError
-from ddpkit.train import TrainConfig, Trainer
-from ddpkit.train.callbacks import Callback
-from ddpkit.train.stats import stragglers
+from ddpkit.run import Run
+from ddpkit.run.metrics import read_metrics
+from ddpkit.train import JobConfig, Task, Trainer
+from ddpkit.train.worker import check_same_job
 
 
 class SlowOnRank1(torch.nn.Module):
@@ -38,14 +41,18 @@ def _data(n: int = 48, bad: int | None = None) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def _cfg(out: str, **changes) -> TrainConfig:
+def _trainer(out: str, model=None, data=None, kind=Trainer, **changes) -> Trainer:
+    """A Trainer on a fresh Run; ``model`` is a class, built after the run seeded every rank alike."""
     base = dict(out=out, steps=6, global_batch=8, lr=1e-2, warmup_steps=1, log_every=3, check_every=2)
-    return TrainConfig(**{**base, **changes})
+    cfg = JobConfig.from_values({**base, "progress": False, **changes})
+    run = Run(**cfg.run_options())
+    task = Task(model() if model else torch.nn.Linear(4, 1), data or _data(), F.mse_loss)
+    return kind(run, task, cfg.train)
 
 
 def _straggler_run(env, out: str) -> list[dict]:
-    torch.manual_seed(0)
-    return Trainer(SlowOnRank1(), _data(), F.mse_loss, env, _cfg(out)).fit()
+    _trainer(out, SlowOnRank1).fit()
+    return read_metrics(Path(out) / "metrics.jsonl") if env.is_rank0 else []
 
 
 def test_straggler_shows_in_per_rank_timings(tmp_path):
@@ -69,14 +76,11 @@ def test_straggler_rule():
 
 
 def _nan_run(env, out: str, on_nonfinite: str) -> tuple[int, bool]:
-    torch.manual_seed(0)
     # Sample 5 is NaN; with shuffle it lands in some step on one rank only.
-    trainer = Trainer(
-        torch.nn.Linear(4, 1), _data(bad=5), F.mse_loss, env, _cfg(out, on_nonfinite=on_nonfinite)
-    )
+    trainer = _trainer(out, data=_data(bad=5), on_nonfinite=on_nonfinite)
     trainer.fit()
     finite = all(torch.isfinite(p).all() for p in trainer.model.module.parameters())
-    return trainer.skipped_steps, finite
+    return trainer.run.cycle.skipped_steps, finite
 
 
 def test_non_finite_gradient_skips_the_step_on_every_rank(tmp_path):
@@ -89,31 +93,30 @@ def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path):
         run_ranks(_nan_run, 2, str(tmp_path), "stop")
 
 
-class Desync(Callback):
+class Desync(Trainer):
     """After step 3, rank 1's replica drifts: what a bug in user code does silently."""
 
-    def on_step_end(self, trainer, step, indices):
-        if step == 3 and trainer.env.rank == 1:
+    def _run_batch(self, batch) -> None:
+        super()._run_batch(batch)
+        if self.run.step == 3 and self.run.env.rank == 1:
             with torch.no_grad():
-                trainer.model.module.bias += 1.0
+                self.model.module.bias += 1.0
 
 
 def _desync_run(env, out: str) -> None:
-    torch.manual_seed(0)
-    Trainer(torch.nn.Linear(4, 1), _data(), F.mse_loss, env, _cfg(out), callbacks=[Desync()]).fit()
+    _trainer(out, kind=Desync).fit()
 
 
 def test_desync_is_caught_at_the_next_check(tmp_path):
     with pytest.raises(
-        LaunchError, match=r"replicas differ at step 4: ranks \[1\] disagree with rank 0, first at 'bias'"
+        LaunchError, match=r"replicas differ at step 4 \(model\): ranks \[1\] disagree with rank 0, first at 'bias'"
     ):
         run_ranks(_desync_run, 2, str(tmp_path))
 
 
 def _mismatched_config_run(env, out: str) -> None:
-    torch.manual_seed(0)
-    lr = 1e-2 if env.rank == 0 else 2e-2
-    Trainer(torch.nn.Linear(4, 1), _data(), F.mse_loss, env, _cfg(out, lr=lr)).fit()
+    lr = 1e-2 if env.rank == 0 else 2e-2  # what nodes started with different flags would do
+    check_same_job(JobConfig.from_values({"out": out, "lr": lr}), env)
 
 
 def test_ranks_with_different_configs_stop_at_start(tmp_path):

@@ -135,7 +135,7 @@ def check_split(global_batch: int, world_size: int) -> None:
         return
     works = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
     raise ConfigError(
-        f"global batch {global_batch} cannot be split evenly across {world_size} processes; "
+        f"global_batch={global_batch} cannot be split evenly across {world_size} processes; "
         f"use a global batch that is a multiple of {world_size}, or a world size in {works}"
     )
 

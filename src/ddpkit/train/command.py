@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -26,10 +27,12 @@ from ddpkit.launch.elastic import (
     run_elastic,
     torchrun_argv,
 )
+from ddpkit.launch.failures import WorkerFailure
 from ddpkit.run.setup import check_split
 from ddpkit.train.flags import add_config_flags, flag_values, read_toml
-from ddpkit.train.job import JobConfig, check_same_run, layered
+from ddpkit.train.job import OWNER, JobConfig, check_same_run, layered
 from ddpkit.train.task import check_task_spec, is_task_spec
+from ddpkit.train.worker import USER_ERROR
 from ddpkit.train.workloads import WORKLOADS, check_data, get_workload
 
 
@@ -70,13 +73,26 @@ def parse(argv: list[str]) -> tuple[JobConfig, argparse.Namespace]:
         work = get_workload(task)
         check_data(work, flag_values(ns).get("data", toml.get("data")))
         defaults = work.defaults
-    cfg = layered(task, defaults, toml, flag_values(ns))
+    try:
+        cfg = layered(task, defaults, toml, flag_values(ns))
+    except ConfigError as exc:
+        raise ConfigError(as_flags(str(exc))) from None
     if cfg.data.global_batch is None:
         raise ConfigError(
             f"{task} needs a global batch: pass --global-batch N (samples per step over all processes) "
             "or set global_batch under [data] in --config"
         )
     return cfg, ns
+
+
+def as_flags(message: str) -> str:
+    """A config error in the command's words: ``steps=0`` becomes ``--steps 0``."""
+
+    def flag(match: re.Match) -> str:
+        name = match[1]
+        return f"--{name.replace('_', '-')} " if name in OWNER else match[0]
+
+    return re.sub(r"\b(\w+)=", flag, message)
 
 
 def launch_dests(parser: argparse.ArgumentParser) -> set[str]:
@@ -146,8 +162,11 @@ def cmd_train(argv: list[str]) -> int:
     nproc = resolve_nproc(str(ns.nproc))
     resolve_backend(cfg.run.backend, nproc)
     low, high = nnodes_range(ns.nnodes)
-    for nodes in range(low, high + 1):
-        check_split(cfg.data.global_batch, nodes * nproc)
+    try:
+        for nodes in range(low, high + 1):
+            check_split(cfg.data.global_batch, nodes * nproc)
+    except ConfigError as exc:
+        raise ConfigError(as_flags(str(exc))) from None
     check_launch_args(torch_ns)
     out = Path(cfg.run.out)
     if high == 1:  # one node: refuse a folder a live run holds before anything is written or deleted
@@ -156,5 +175,10 @@ def cmd_train(argv: list[str]) -> int:
         prepare_out(cfg, ns.overwrite)
         write_config(cfg)
     torch_ns.training_script_args = [str(out / "config.json")]
-    run_elastic(torch_ns)
+    try:
+        run_elastic(torch_ns)
+    except WorkerFailure as exc:
+        if exc.exitcode == USER_ERROR:
+            return 2  # the worker printed the one-line error already
+        raise
     return 0

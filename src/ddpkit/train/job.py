@@ -116,6 +116,9 @@ def layered(task: str, workload_defaults: dict[str, Any], *layers: dict[str, Any
     values: dict[str, Any] = {**CLI_DEFAULTS, **workload_defaults, "task": task}
     for layer in layers:
         values.update(layer)
+    given = {name for layer in layers for name in layer}
+    if "epochs" in given and "steps" not in given:  # asked for epochs: the workload's steps yield
+        values["steps"] = None
     if values.get("out") is None:
         values["out"] = f"runs/{task_name(values['task'])}"
     return JobConfig.from_values(values)

@@ -13,12 +13,17 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpkit.diagnostics.consistency import check_same_config
+from ddpkit.dist import DistEnv, read_launcher_vars
+from ddpkit.errors import ConfigError
 from ddpkit.launch.orphans import die_with_parent
 from ddpkit.run import Run
 from ddpkit.train.job import JobConfig
 from ddpkit.train.task import Task, build_task, is_task_spec
 from ddpkit.train.trainer import Trainer
 from ddpkit.train.workloads import get_workload
+
+USER_ERROR = 2  # the exit code of a worker stopped by a ConfigError; it printed the one line
 
 
 def train(cfg: JobConfig) -> None:
@@ -31,11 +36,17 @@ def train(cfg: JobConfig) -> None:
         options["resume"] = "auto"
     run = Run(**options)
     try:
+        check_same_job(cfg, run.env)
         trainer = Trainer(run, build(cfg), cfg.train)
     except BaseException:
         run.close()  # leave the group and the folder's lock without a collective
         raise
     trainer.fit()
+
+
+def check_same_job(cfg: JobConfig, env: DistEnv) -> None:
+    """Every rank runs the same config (nodes may differ in where they write and how they start)."""
+    check_same_config(cfg.replace(out="-", resume="auto").to_json(), env)
 
 
 def build(cfg: JobConfig) -> Task:
@@ -54,7 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     path = Path(argv[0])
-    train(JobConfig.from_json(path.read_text(encoding="utf-8"), where=str(path)))
+    try:
+        train(JobConfig.from_json(path.read_text(encoding="utf-8"), where=str(path)))
+    except ConfigError as exc:
+        # A user's mistake (a task file that returns no Task, a checkpoint of another model):
+        # one line from rank 0, and exit code 2, which the launcher passes on without a report.
+        if read_launcher_vars().rank == 0:
+            print(f"ddpkit: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR) from None
 
 
 if __name__ == "__main__":
