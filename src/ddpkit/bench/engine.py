@@ -10,7 +10,8 @@ drifts between rounds on a shared machine cancels out. Engines:
   native        ddpkit.DataParallel; native+bf16, native+fp16, native+powersgd compress
   native@1mib   native with torch DDP's bucket layout (a 1 MiB first bucket, overlapping
                 backward), instead of the CPU default of one bucket
-  native@NMB    native with buckets of N MiB each (``native@2mb``), first and last included
+  native@NMB    native with buckets of N MiB each (``native@2mb``), first and last included;
+                native@25mb is one bucket. Plain ``native`` picks its layout in its first steps
 
 A step's time is the slowest rank's (steps start at a barrier); CPU time counts all threads.
 Bytes and collectives per step come from torch.profiler's gloo events in one extra step; peak
@@ -37,13 +38,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.bench.engine_summary import format_table, format_targets, summarize
+from ddpkit.bench.engine_summary import format_layouts, format_table, format_targets, summarize
 from ddpkit.dist import cpu_cores, destroy, init_distributed
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch import launch
 from ddpkit.launch.elastic import resolve_nproc
 from ddpkit.models import GPT, GPTConfig
 from ddpkit.parallel import DataParallel, PowerSGD
+from ddpkit.parallel.layout import TRIAL_PASSES
 
 ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd", "native@1mib")
 DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
@@ -140,8 +142,10 @@ def _setup(cfg: EngineBenchConfig, rank: int, names: tuple[str, ...]):
 
 
 def warmup_steps(cfg: EngineBenchConfig, name: str) -> int:
-    """Untimed steps before ``name`` is timed: PowerSGD's plain all-reduce steps come on top."""
-    return cfg.warmup + (PowerSGD().start_iter if name == "native+powersgd" else 0)
+    """Untimed steps before ``name`` is timed: on top, the native engine's layout trial (where it
+    picks its layout) and PowerSGD's plain all-reduce steps."""
+    trial = TRIAL_PASSES if name.startswith("native") and "@" not in name else 0
+    return cfg.warmup + max(trial, PowerSGD().start_iter if name == "native+powersgd" else 0)
 
 
 def _run_block(name, model, optimizer, x, y, steps: int, rank: int) -> list[float]:
@@ -194,7 +198,9 @@ def measure(cfg: EngineBenchConfig, rank: int, world_size: int, extra=None) -> d
         _run_block(*args[name], warmup_steps(cfg, name), rank)
     rounds, spent = _rounds(cfg, args, rank)
     comm = {name: _comm_per_step(*args[name][1:]) for name in cfg.engines if name != "solo"}
-    mine = {"rounds": rounds, "spent": spent, "comm": comm}
+    trials = {name: getattr(getattr(m, "reducer", None), "trial", None) for name, m in models.items()}
+    chosen = {name: trial.describe() for name, trial in trials.items() if trial is not None}
+    mine = {"rounds": rounds, "spent": spent, "comm": comm, "layouts": chosen}
     if extra is not None:
         mine["extra"] = extra(base, x, y)
     everyone: list = [None] * world_size
@@ -269,7 +275,7 @@ def main(argv: list[str]) -> int:
         f"{summary['threads_per_rank']} threads, {cfg.blocks} rounds x {cfg.steps_per_block} steps "
         "per engine; /torch and scaling are medians of per-round ratios"
     )
-    print(format_table(summary))
+    print("\n".join(filter(None, (format_table(summary), format_layouts(summary)))))
     print(format_targets(summary["targets"]))
     if ns.json:
         ns.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

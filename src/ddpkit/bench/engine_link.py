@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bench import engine
-from ddpkit.bench.engine_summary import format_table, format_targets, summarize
+from ddpkit.bench.engine_summary import format_layouts, format_table, format_targets, summarize
 from ddpkit.bench.netns import emulated_hosts, exec_prefix, parse_rate, why_not
 from ddpkit.dist import cpu_cores, destroy, init_distributed
 from ddpkit.errors import ConfigError
@@ -99,13 +99,21 @@ def _probes(base: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     }
 
 
-def ideals(timed: dict) -> dict[str, float]:
-    """Seconds: the link all-reduce, the compute phases, and the two ideal steps (module docstring)."""
+def ideals(timed: dict, compute_s: float | None = None) -> dict[str, float]:
+    """Seconds: the link all-reduce, the compute phases, and the two ideal steps (module docstring).
+
+    Args:
+        timed: what the hosts gathered, each with its probes under "extra".
+        compute_s: the no-communication engine's median step; the phases are scaled to add up to
+            it, so the ideals see the same machine load as the engines did (the probes run once).
+    """
     extra = [r["extra"] for r in timed["ranks"]]
     got = {key: max(e[key] for e in extra) for key in extra[0]}  # the slowest host sets the pace
-    compute = got["forward_s"] + got["backward_s"] + got["optimizer_s"]
-    comm = got["allreduce_s"]
-    rate = timed.get("rate_bps")
+    phases = ("forward_s", "backward_s", "optimizer_s")
+    if compute_s is not None:
+        scale = compute_s / sum(got[k] for k in phases)
+        got |= {k: got[k] * scale for k in phases}
+    compute, comm = sum(got[k] for k in phases), got["allreduce_s"]
     hosts = timed["hosts"]
     ring_bits = 8 * got["allreduce_bytes"] * 2 * (hosts - 1) / hosts  # what each host sends
     return got | {
@@ -113,29 +121,31 @@ def ideals(timed: dict) -> dict[str, float]:
         "ideal_max_s": max(compute, comm),
         "ideal_overlap_s": got["forward_s"] + max(got["backward_s"], comm) + got["optimizer_s"],
         "link_rate_measured_bps": ring_bits / comm,
-        "link_rate_bps": rate,
+        "link_rate_bps": timed.get("rate_bps"),
     }
 
 
 def summarize_link(timed: dict) -> dict:
-    """The loopback bench's summary, with the ideals as rows and the link's floors under each target."""
-    ideal = ideals(timed)
-    rows_only = summarize(timed, {})
-    torch_ms = rows_only["engines"].get("torch", {}).get("median_ms")
+    """The loopback bench's summary, with the ideals and the link's floors under each target.
+
+    Floors are ratios to torch DDP: compute is the no-communication engine's paired ratio, the
+    link's share is the all-reduce alone over torch's median step.
+    """
+    rows = summarize(timed, {})["engines"]
+    none, torch_ = rows.get("none", {}), rows.get("torch", {})
+    ideal = ideals(timed, none["median_ms"] / 1e3 if none else None)
     floors = {}
-    if torch_ms:
-        comm_ms = 1e3 * ideal["allreduce_s"]
-        compute_ms = rows_only["engines"].get("none", {}).get("median_ms", 1e3 * ideal["compute_s"])
+    if "vs_torch" in none:
+        compute, comm = none["vs_torch"], 1e3 * ideal["allreduce_s"] / torch_["median_ms"]
         mb = ideal["allreduce_bytes"] / 1e6
         floors = {
-            "native": (max(compute_ms, comm_ms) / torch_ms, f"max(compute, all-reduce of {mb:.1f} MB)"),
-            "native+bf16": (max(compute_ms, comm_ms / 2) / torch_ms, f"max(compute, {mb / 2:.1f} MB)"),
-            "native+powersgd": (compute_ms / torch_ms, "the step without any communication"),
+            "native": (max(compute, comm), f"max(compute, all-reduce of {mb:.1f} MB)"),
+            "native+bf16": (max(compute, comm / 2), f"max(compute, all-reduce of {mb / 2:.1f} MB)"),
+            "native+powersgd": (compute, "the step without any communication"),
         }
-    summary = summarize(timed, {}, LINK_TARGETS, floors)
-    if torch_ms:
         for key in ("ideal_max_s", "ideal_overlap_s"):
-            ideal[key.replace("_s", "_vs_torch")] = 1e3 * ideal[key] / torch_ms
+            ideal[key.replace("_s", "_vs_torch")] = 1e3 * ideal[key] / torch_["median_ms"]
+    summary = summarize(timed, {}, LINK_TARGETS, floors)
     return summary | {"link": ideal, "hosts": timed["hosts"]}
 
 
@@ -191,7 +201,7 @@ def main(ns: argparse.Namespace, cfg: engine.EngineBenchConfig) -> int:
         f"{ns.hosts} hosts x 1 process x {summary['threads_per_rank']} threads, "
         f"{cfg.blocks} rounds x {cfg.steps_per_block} steps"
     )
-    print(format_table(summary))
+    print("\n".join(filter(None, (format_table(summary), format_layouts(summary)))))
     print(format_link(summary["link"]))
     print(format_targets(summary["targets"]))
     if ns.json:

@@ -92,6 +92,7 @@ def summarize(
     idle = waiting[0] / waiting[1] if waiting[1] and len(ranks) > 1 else None
     about = {"params": timed["params"], "threads_per_rank": timed["threads"], "nproc": timed["nproc"]}
     summary = {"engines": rows, **about, "solo_idle_rank_cpu_fraction": idle}
+    summary["layouts"] = ranks[0].get("layouts", {})  # what each auto-layout engine measured and kept
     return summary | {"targets": targets(rows, ratio_targets, floors)}
 
 
@@ -135,7 +136,7 @@ def format_targets(found: list[dict]) -> str:
         low, high = t["interval90"] or (t["measured"], t["measured"])
         value = f"{t['measured']:.3f} [{low:.3f}, {high:.3f}]"
         verdict = "met" if t["met"] else "missed"
-        if not t["met"] and t["floor"] is not None and t["floor"] > t["limit"]:
+        if not t["met"] and t["floor"] is not None and t["floor"] > t["limit"] and high >= t["floor"]:
             verdict += (
                 f": below the floor, {t['floor']:.3f} of torch ({t.get('why', NO_COMM)}), "
                 "so no engine can reach it on this machine"
@@ -162,3 +163,8 @@ def format_table(summary: dict) -> str:
             f"{row['collectives_per_step']:>6}  {rss}"
         )
     return "\n".join(lines)
+
+
+def format_layouts(summary: dict) -> str:
+    """One line per engine that chose its bucket layout: the trial's timings and the choice."""
+    return "\n".join(f"{name} layout trial: {text}" for name, text in summary.get("layouts", {}).items())

@@ -29,6 +29,10 @@ log = logging.getLogger("ddpkit.parallel")
 # against one bucket's 1.04).
 SPLIT_BUCKETS = 8
 SPLIT_MIN_BYTES = 1024 * 1024
+TRIAL_ROUNDS = 3  # passes per layout in the trial
+# Synchronized passes until the chosen layout is built: the first (arrival order), the trial's,
+# and the one after which the choice is made.
+TRIAL_PASSES = 2 + 2 * TRIAL_ROUNDS
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,18 @@ def given_layout(first_bytes: int, cap_bytes: int) -> Layout:
     return Layout("given", small, cap_bytes, small if small < cap_bytes else 0)
 
 
-def trial_for(params: Sequence[nn.Parameter], cap_bytes: int, rounds: int = 3) -> LayoutTrial | None:
+def split_size(total_bytes: int, cap_bytes: int) -> int:
+    """The split layout's bucket size: about total / SPLIT_BUCKETS, at least SPLIT_MIN_BYTES,
+    at most ``cap_bytes``."""
+    return min(cap_bytes, max(SPLIT_MIN_BYTES, total_bytes // SPLIT_BUCKETS))
+
+
+def trial_for(
+    params: Sequence[nn.Parameter], cap_bytes: int, rounds: int = TRIAL_ROUNDS
+) -> LayoutTrial | None:
     """A trial of one bucket against the split layout; None where they would be the same buckets."""
     total = sum(p.numel() * p.element_size() for p in params)
-    size = min(cap_bytes, max(SPLIT_MIN_BYTES, total // SPLIT_BUCKETS))
+    size = split_size(total, cap_bytes)
     if size >= min(total, cap_bytes):
         return None  # a small model or a small cap: the split layout would be the same buckets
     return LayoutTrial((Layout("one", cap_bytes, cap_bytes), Layout("split", size, size)), rounds)
