@@ -101,9 +101,13 @@ class StepCycle:
         last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
             return
-        record = self.monitor.step_done(self.step, ended, last, self._extra)  # built only when logged
-        if record is not None:
-            self._pace(record["ranks"])
+        # The signal rides on the log gather, which is read at the next step's end: every rank
+        # then reads the same maximum, so all stop at that step.
+        logged = self.monitor.step_done(self.step, ended, last, self._extra, self.preemption.received)
+        number = 0
+        if logged is not None:
+            record, number = logged
+            self._pace(record)
         check_every = self.monitor.cfg.check_every
         if check_every and ended and (self.step % check_every == 0 or last):
             self.monitor.phase(self.step, "check: replica fingerprint all_gather")
@@ -112,18 +116,22 @@ class StepCycle:
         every = self.ckpt_cfg.save_every
         if (self.save_now or (every and (self.step % every == 0 or last))) and self.saved_step != self.step:
             self.checkpoint()
-        if ended and not last and (number := self.preemption.agreed(self.step)):
+        if not ended or last:
+            return
+        if not number and self.monitor.logged_step != self.step:  # else it rides on this step's gather
+            number = self.preemption.agreed(self.step)
+        if number:
             if self.out is not None and self.saved_step != self.step:
                 self.checkpoint()
             self.on_preempt(number, self.step)
 
-    def _pace(self, ranks: list[dict]) -> None:
+    def _pace(self, record: dict) -> None:
         # From gathered timings, so every rank computes the same pace for the agreement.
-        steps = self.step - self.paced_step
+        steps = record["step"] - self.paced_step
         if steps > 0:
-            slowest = max(r["data_s"] + r["compute_s"] + r["comm_wait_s"] for r in ranks)
+            slowest = max(r["data_s"] + r["compute_s"] + r["comm_wait_s"] for r in record["ranks"])
             self.preemption.pace(slowest / steps, self.monitor.cfg.log_every)
-        self.paced_step = self.step
+        self.paced_step = record["step"]
 
     def _extra(self) -> dict:
         extra = {
