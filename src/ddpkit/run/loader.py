@@ -184,13 +184,15 @@ class Loader:
         self._plan_sampler.plan = plan
         self._generator.manual_seed(hash((self.sampler.seed, self.epoch, self.sampler.state.consumed)))
         batches = iter(self.dataloader)
+        cycle, device = self.run.cycle, self.run.device
+        move = device.type != "cpu"  # the DataLoader's batches are on the CPU already
         for micro in plan:
-            if micro.first and not self.run.cycle.begin(self):
+            if micro.first and not cycle.begin(self):
                 return  # the run's step limit is reached
             batch = self.run._fetch(batches)
-            self.run.cycle.enter(micro)
-            yield to_device(batch, self.run.device)
-        self.run.cycle.finish()
+            cycle.enter(micro)
+            yield to_device(batch, device) if move else batch
+        cycle.finish()
 
     def state_dict(self) -> dict:
         """The position: samples of the current epoch the world has consumed (not prefetched)."""

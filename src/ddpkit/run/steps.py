@@ -11,6 +11,7 @@ optimizers whether to step.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,15 +174,18 @@ class StepCycle:
                 return self.scaler.step(optimizer)
             finally:
                 optimizer._ddpkit_inner = False
-        # The norm is of the all-reduced gradient, the same on every rank: all decide alike.
-        if torch.isfinite(norm):
+        # The norm is of the all-reduced gradient, the same on every rank: all decide alike. One
+        # .item() is the host sync the decision needs (torch's GradScaler makes the same one), and
+        # costs less than torch.isfinite's extra kernel and its bool().
+        value = norm.item()
+        if math.isfinite(value):
             return step(closure)
         if self.optim_cfg.on_nonfinite == "stop":
             raise FloatingPointError(
-                f"step {self.step}: the gradient norm is {norm.item()} on every rank; lower the learning "
+                f"step {self.step}: the gradient norm is {value} on every rank; lower the learning "
                 "rate or check the data, or pass on_nonfinite='skip' to skip such steps"
             )
         self.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
-        log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, norm.item())
+        log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, value)
         return None
