@@ -25,7 +25,7 @@ def _run(trial: LayoutTrial, one_s: float, split_s: float) -> list[int]:
     for _ in range(12):
         trial.pass_done(one_s if trial.current == 0 else split_s)
         if trial.due():
-            slowest = trial.medians() if trial.deciding else None
+            slowest = trial.fastest() if trial.deciding else None
             trial.adopt(trial.propose(slowest), rank=0)
             built.append(trial.current)
     return built

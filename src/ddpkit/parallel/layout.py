@@ -12,10 +12,11 @@ passes try both, alternating, and keep the faster (``LayoutTrial``).
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpkit.parallel.compression import CastHook, CommHook, PrescaledAllReduce
@@ -77,6 +78,44 @@ def trial_for(
     return LayoutTrial((Layout("one", cap_bytes, cap_bytes), Layout("split", size, size)), rounds)
 
 
+def plan_layout(
+    params: Sequence[nn.Parameter], first_bytes: int, cap_bytes: int, auto: bool
+) -> tuple[Layout, LayoutTrial | None]:
+    """The layout to build first, and the trial that may replace it (``auto``, a large model)."""
+    trial = trial_for(params, cap_bytes) if auto else None
+    return (trial.candidates[0] if trial else given_layout(first_bytes, cap_bytes)), trial
+
+
+def broadcast_plan(
+    order: list[int], trial: LayoutTrial | None, group: dist.ProcessGroup, device: torch.device
+) -> tuple[list[int], int]:
+    """Rank 0's bucket order and the trial's next layout, the same on every rank (collectives).
+
+    At the trial's end every rank's fastest passes are reduced first (MAX: a step waits for the slowest
+    rank), so the choice is taken on all ranks' timings; rank 0's proposal is the one broadcast.
+
+    Args:
+        order: parameter indices in the order the buckets should hold them (rank 0's wins).
+        trial: the layout trial when a rebuild of it is due, else None (the layout stays).
+        group: the reducer's process group.
+        device: where the small messages live (the parameters' device).
+    """
+    index = 0
+    if trial is not None:
+        slowest = None
+        if trial.deciding:
+            fastest = torch.tensor(trial.fastest(), dtype=torch.float64, device=device)
+            dist.all_reduce(fastest, op=dist.ReduceOp.MAX, group=group)
+            slowest = fastest.tolist()
+        index = trial.propose(slowest)
+    message = torch.tensor(order + [index], dtype=torch.int64, device=device)
+    dist.broadcast(message, group=group, group_src=0)
+    *order, index = message.tolist()
+    if trial is not None:
+        trial.adopt(index, dist.get_rank())
+    return order, index
+
+
 def rebuild_safe(hook: CommHook, trial: LayoutTrial) -> bool:
     """Whether ``hook``'s results do not depend on rebuilds during the trial: ddpkit's own hooks,
     and PowerSGD only while it still sends plain all-reduces (its memory is per bucket)."""
@@ -92,7 +131,8 @@ class LayoutTrial:
     when a rebuild is due; which layout comes next is rank 0's choice, broadcast with the
     rebuild (``Reducer.rebuild_buckets``), so all ranks build the same buckets. A pass's time is
     from the end of its forward to the end of its last wait: backward plus the communication
-    it did not hide, the only part of a step the layout changes.
+    it did not hide, the only part of a step the layout changes; each layout's fastest pass
+    counts, on the slowest rank.
 
     Args:
         candidates: the layouts to try; the first is kept unless another is faster by ``margin``.
@@ -111,7 +151,7 @@ class LayoutTrial:
         self.current = 0  # index into candidates of the layout built now
         self.seconds: list[list[float]] = [[] for _ in candidates]
         self.chosen: int | None = None
-        self.slowest: list[float] = []  # the medians the decision was taken on
+        self.slowest: list[float] = []  # the times the decision was taken on
 
     def pass_done(self, seconds: float | None) -> None:
         """A synchronized pass ended; ``seconds`` is its time here (None: a joined rank's shadow)."""
@@ -125,19 +165,20 @@ class LayoutTrial:
 
     @property
     def deciding(self) -> bool:
-        """Whether the next rebuild ends the trial (every rank's medians are needed then)."""
+        """Whether the next rebuild ends the trial (every rank's times are needed then)."""
         return self.due() and self.passes > len(self.schedule)
 
-    def medians(self) -> list[float]:
-        """This rank's median pass time per candidate (0.0 where none was measured)."""
-        return [statistics.median(s) if s else 0.0 for s in self.seconds]
+    def fastest(self) -> list[float]:
+        """This rank's fastest pass per candidate (0.0 where none was measured): a busy machine
+        only adds time, so the fastest pass is the layout's own cost most nearly."""
+        return [min(s) if s else 0.0 for s in self.seconds]
 
     def propose(self, slowest: list[float] | None = None) -> int:
         """Rank 0: the layout for the next pass: the schedule's, or at its end the fastest by
-        ``slowest`` (per candidate, the largest median over the ranks: a step waits for all)."""
+        ``slowest`` (per candidate, the largest of the ranks' fastest passes: a step waits for all)."""
         if not self.deciding:
             return self.schedule[self.passes - 1]
-        assert slowest is not None, "the trial's decision needs every rank's medians"
+        assert slowest is not None, "the trial's decision needs every rank's times"
         self.slowest = slowest
         best = min(range(len(slowest)), key=slowest.__getitem__)
         return best if slowest[best] < (1 - self.margin) * slowest[0] else 0
@@ -152,14 +193,14 @@ class LayoutTrial:
                 log.info("DataParallel chose the bucket layout: %s", self.describe())
 
     def describe(self) -> str:
-        """The outcome in one line: each layout's median pass time and which was kept."""
+        """The outcome in one line: each layout's time and which was kept."""
         parts = []
         for k, layout in enumerate(self.candidates):
             seconds = self.slowest[k] if self.slowest else 0.0
-            median = f"{1e3 * seconds:.0f} ms" if seconds else "not measured"
+            took = f"{1e3 * seconds:.0f} ms" if seconds else "not measured"
             mark = " (kept)" if k == self.chosen else ""
-            parts.append(f"{layout.name} ({_mib(layout.cap_bytes)} buckets) {median}{mark}")
-        how = f"backward + unhidden communication, median of {self.rounds} passes on the slowest rank"
+            parts.append(f"{layout.name} ({_mib(layout.cap_bytes)} buckets) {took}{mark}")
+        how = f"backward + unhidden communication, fastest of {self.rounds} passes on the slowest rank"
         return ", ".join(parts) + "; " + how
 
 

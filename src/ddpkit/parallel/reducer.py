@@ -10,6 +10,8 @@ One synchronized backward pass, as a state machine:
               same collectives in the same order, or gloo pairs up the wrong ones);
               the last gradient queues the end-of-backward callback
     reducing - end-of-backward callback: wait for every bucket, write back -> idle
+    idle ---- next forward: buckets rebuilt in arrival order after the first pass, and on the
+              CPU in each layout the trial tries (``ddpkit.parallel.layout``) until it chooses
 
 The average is a sum of pre-scaled gradients: the default hook has each gradient multiplied by
 1 / world_size as it is copied into its bucket (torch DDP's order of operations, so the same
@@ -44,7 +46,7 @@ from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.compression import CommHook
 from ddpkit.parallel.errors import ready_too_often, unfinished_pass
 from ddpkit.parallel.graph import reachable_params
-from ddpkit.parallel.layout import given_layout, rebuild_safe, trial_for
+from ddpkit.parallel.layout import broadcast_plan, plan_layout, rebuild_safe
 from ddpkit.parallel.passes import Pass, Sink, all_reduce_used
 
 
@@ -83,12 +85,9 @@ class Reducer:
         self.group, self.world_size = process_group, dist.get_world_size(process_group)
         self.find_unused, self.static_graph = find_unused_parameters, static_graph
         self.grad_as_view = gradient_as_bucket_view
-        self.layout = given_layout(first_bucket_bytes, bucket_cap_bytes)
         # Layouts are tried where rebuilds are cheap and safe: not with a varying graph.
         auto = auto_layout and not find_unused_parameters and not static_graph and self.world_size > 1
-        self.trial = trial_for(self.params, bucket_cap_bytes) if auto else None
-        if self.trial is not None:
-            self.layout = self.trial.candidates[0]
+        self.layout, self.trial = plan_layout(self.params, first_bucket_bytes, bucket_cap_bytes, auto)
         self.set_hook(hook)
         # Before any backward, reverse registration order is the best guess of arrival order.
         self._build(list(reversed(range(len(self.params)))))
@@ -185,20 +184,16 @@ class Reducer:
         collective: every rank calls this at the same points (the forwards after synchronized
         backward passes, which every rank counts alike).
         """
-        trial = self.trial is not None and self.trial.due()
+        trial = self.trial if self.trial is not None and self.trial.due() else None
         if not (self.rebuild_pending or trial):
             return False
         order = self.order
         if self.rebuild_pending:
             seen = set(self.arrival or ())
             order = (self.arrival or []) + [i for i in reversed(range(len(self.params))) if i not in seen]
-        layout = self.trial.propose(self._slowest_medians()) if trial else 0
-        message = torch.tensor(order + [layout], dtype=torch.int64, device=self.params[0].device)
-        dist.broadcast(message, group=self.group, group_src=0)
-        *order, layout = message.tolist()
-        if trial:
-            self.trial.adopt(layout, dist.get_rank())
-            self.layout = self.trial.candidates[layout]
+        order, index = broadcast_plan(order, trial, self.group, self.params[0].device)
+        if trial is not None:
+            self.layout = trial.candidates[index]
         old_slots = self.slots
         self._build(order)
         for i, (old_bucket, old_pos) in old_slots.items():
@@ -206,14 +201,6 @@ class Reducer:
             bucket.rebind_from(old_bucket, old_pos, pos)
         self.arrival, self.rebuild_pending = None, False
         return True
-
-    def _slowest_medians(self) -> list[float] | None:
-        """At the trial's end, each layout's median pass time on the slowest rank (a collective)."""
-        if not self.trial.deciding:
-            return None
-        medians = torch.tensor(self.trial.medians(), dtype=torch.float64, device=self.params[0].device)
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.group)
-        return medians.tolist()
 
     # -- backward side --------------------------------------------------------------------------
 
