@@ -8,8 +8,6 @@ starts, and turns a worker failure into a short report naming the rank.
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
 import uuid
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.monitor import HangMonitor
 from ddpkit.launch.ports import check_port_free
 from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
-from ddpkit.launch.stopping import GRACE_S, StopOnSignal, Stopped, split_signals
+from ddpkit.launch.stopping import GRACE_S, StopOnSignal, split_signals
 from ddpkit.launch.workerenv import environment, run_directory, worker_variables
 from ddpkit.launch.workerview import write_exit_stacks
 
@@ -280,23 +278,10 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
                     finally:
                         monitor.stop()
             except SignalException as exc:
-                raise _stopped(exc.sigval, stop) from None
-
-
-def _stopped(sig: signal.Signals, stop: StopOnSignal) -> Stopped:
-    """Say once what a stop signal did, without torch's traceback; exit 128 + the signal."""
-    # SIGHUP and SIGQUIT stay with torch's agent, which forwards them itself.
-    line = stop.outcome or f"stopped by {sig.name}: the agent sent it to the workers (exit code {128 + sig})"
-    print(f"ddpkit: {line}", file=sys.stderr, flush=True)
-    return Stopped(sig, line)
+                raise stop.report(exc.sigval) from None
 
 
 def _failure(exc: ChildFailedError, monitor: HangMonitor, run_dir: Path) -> WorkerFailure:
     """The failure to report: a hang if the launcher saw one, else the first rank that failed."""
-    hang = monitor.verdict
-    if hang is None and (reporter := monitor.watchdog_reporter()) is not None:
-        hang = (
-            f"rank {reporter} reported that a collective did not complete in time (--collective-timeout); "
-            "its hang report is above"
-        )
+    hang = monitor.verdict or monitor.watchdog_verdict()
     return WorkerFailure.from_child_failed(exc, hang=hang, others=write_exit_stacks(run_dir))

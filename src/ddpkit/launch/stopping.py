@@ -31,6 +31,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from ddpkit.diagnostics.exit_codes import exit_code_for_signal
 from ddpkit.errors import ConfigError
 
 GRACE_S = 30.0  # torch's own shutdown timeout, and long enough for a checkpoint of a large model
@@ -50,7 +51,7 @@ class Stopped(SystemExit):
     """
 
     def __init__(self, signum: int, line: str) -> None:
-        super().__init__(128 + signum)
+        super().__init__(exit_code_for_signal(signum))
         self.signum, self.line = signum, line
 
 
@@ -114,6 +115,14 @@ class StopOnSignal:
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def report(self, sig: signal.Signals) -> Stopped:
+        """Say once what the stop did, without torch's traceback; raise the result to exit."""
+        # SIGHUP and SIGQUIT stay with torch's agent, which forwards them itself.
+        code = exit_code_for_signal(sig)
+        line = self.outcome or f"stopped by {sig.name}: the agent sent it to the workers (exit code {code})"
+        print(f"ddpkit: {line}", file=sys.stderr, flush=True)
+        return Stopped(sig, line)
+
     def _quiet(self, record: logging.LogRecord) -> bool:
         # The agent's "Received 15 death signal, shutting down workers": the line run_elastic
         # prints says it, with what became of the workers.
@@ -135,11 +144,11 @@ class StopOnSignal:
         print(
             f"ddpkit: stopped by a second signal ({sig.name} after {first}): workers killed at once; a "
             "checkpoint ddpkit was writing is abandoned, the previous good one stays "
-            f"(exit code {128 + sig})",
+            f"(exit code {exit_code_for_signal(sig)})",
             file=sys.stderr,
             flush=True,
         )
-        os._exit(128 + sig)  # at once: no cleanup that could wait on anything
+        os._exit(exit_code_for_signal(sig))  # at once: no cleanup that could wait on anything
 
     def _stop_workers(self, sig: signal.Signals) -> str:
         """Forward ``sig``, wait up to the grace period, kill what is left; what happened, as text."""
@@ -187,11 +196,9 @@ def describe(
             f"{_workers(range(late))}{sent} still running after the {grace_s:g} s grace period, killed "
             "(--grace-period sets it)"
         )
-    return (
-        f"stopped by {sig.name}: "
-        + "; ".join(parts)
-        + f"; the same command resumes from the newest checkpoint the script wrote (exit code {128 + sig})"
-    )
+    code = exit_code_for_signal(sig)
+    resume = f"the same command resumes from the newest checkpoint the script wrote (exit code {code})"
+    return f"stopped by {sig.name}: " + "; ".join([*parts, resume])
 
 
 def _workers(items) -> str:
