@@ -239,7 +239,10 @@ def _one_rank_late(env: DistEnv, report: str, late: int, freeze: bool, entered: 
 
 def test_late_rank_is_named_and_every_stack_is_shown(tmp_path):
     report, entered = tmp_path / "hang.txt", tmp_path / "entered"
-    with pytest.raises(LaunchError, match=f"exited with code {HANG_EXIT_CODE}"):
+    # The launcher's line names the late rank and the report (from the reporter's store key), not
+    # only the reporter's exit code.
+    blame = f"exited with code {HANG_EXIT_CODE}, after a hang report: .*rank 2 has not reached it; .*{report}"
+    with pytest.raises(LaunchError, match=blame):
         run_ranks(_one_rank_late, 3, str(report), 2, False, str(entered))
     waited = time.time() - min(float(t) for t in entered.read_text().split())
     assert waited < TIMEOUT_S + 15, f"the job ran {waited:.0f} s after ranks 0 and 1 entered the all_reduce"
