@@ -130,7 +130,9 @@ class _SeededFetch(Dataset):
             seed = int.from_bytes(digest, "little") >> 1
             random.seed(seed)
             np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            # The CPU generator alone: all a worker's transforms can draw from (a worker cannot use
+            # CUDA), and torch.manual_seed's visit to every other backend costs ~0.2 ms per batch.
+            torch.default_generator.manual_seed(seed)
         own = getattr(self.dataset, "__getitems__", None)
         return own(indices) if own else [self.dataset[i] for i in indices]
 
