@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 from helpers import run_ranks
 
 import ddpkit
-from ddpkit.diagnostics.hang import HANG_EXIT_CODE, HangWatchdog
-from ddpkit.diagnostics.hang_report import attribute, format_report
+from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
+from ddpkit.diagnostics.hang import HangWatchdog
+from ddpkit.diagnostics.hang_report import attribute, format_report, summary_line
 from ddpkit.diagnostics.hang_state import Progress, RankState
 from ddpkit.diagnostics.stacks import thread_stack
 from ddpkit.dist import DistEnv
@@ -57,6 +58,15 @@ def test_attribution_names_the_ranks_that_have_not_reached_the_collective():
     assert "ranks 0, 1 wait in collective #5 (gloo:all_reduce; step 3, phase 'log: loss all_reduce')" in text
     assert "rank 2 has not reached it" in text
     assert "rank 2 last issued #4, 1 behind: step 3, phase 'forward'" in text
+
+
+def test_the_summary_line_names_the_late_rank_not_the_reporter():
+    states = {0: _state(0, 5), 1: _state(1, 4, "forward", op="")}
+    line = summary_line(states, world_size=2, answered={0})
+    assert line == (
+        "rank 0 waits in collective #5 (gloo:all_reduce; step 3, phase 'log: loss all_reduce'); rank 1 has "
+        "not reached it; rank 1 did not answer (stopped (SIGSTOP), dead, or holding the GIL)"
+    )
 
 
 def test_attribution_without_a_late_rank_points_at_a_desync():
@@ -229,7 +239,10 @@ def _one_rank_late(env: DistEnv, report: str, late: int, freeze: bool, entered: 
 
 def test_late_rank_is_named_and_every_stack_is_shown(tmp_path):
     report, entered = tmp_path / "hang.txt", tmp_path / "entered"
-    with pytest.raises(LaunchError, match=f"exited with code {HANG_EXIT_CODE}"):
+    # The launcher's line names the late rank and the report (from the reporter's store key), not
+    # only the reporter's exit code.
+    blame = f"exited with code {HANG_EXIT_CODE}, after a hang report: .*rank 2 has not reached it; .*{report}"
+    with pytest.raises(LaunchError, match=blame):
         run_ranks(_one_rank_late, 3, str(report), 2, False, str(entered))
     waited = time.time() - min(float(t) for t in entered.read_text().split())
     assert waited < TIMEOUT_S + 15, f"the job ran {waited:.0f} s after ranks 0 and 1 entered the all_reduce"

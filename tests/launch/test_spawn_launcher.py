@@ -8,17 +8,25 @@ import time
 
 import pytest
 from helpers import run_ranks
+from run_scripts import listening
 
 import ddpkit
 from ddpkit.errors import ConfigError
 
 
-def _rank_and_world(env) -> tuple[int, int]:
-    return env.rank, env.world_size
+def _rank_world_and_listeners(env) -> tuple[int, int, list[str], list[str]]:
+    """This rank, the world, and where the launcher (our parent) and this rank listen for TCP."""
+    return env.rank, env.world_size, listening(os.getppid()), listening(os.getpid())
 
 
-def test_returns_each_ranks_result():
-    assert run_ranks(_rank_and_world, 3) == [(0, 3), (1, 3), (2, 3)]
+def test_returns_each_ranks_result_and_hosts_the_store_on_loopback():
+    results = run_ranks(_rank_world_and_listeners, 3)
+    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
+    # The launcher hosts the ranks' store on loopback alone (torch's TCPStore, opened by rank 0
+    # itself, would listen on every interface, unauthenticated); rank 0 hosts no store.
+    (store,) = results[0][2]
+    assert store.startswith("127.0.0.1:"), store
+    assert not any(a.rsplit(":", 1)[1] == store.rsplit(":", 1)[1] for a in results[0][3]), results[0][3]
 
 
 def _rank1_raises_others_wait(env) -> None:
@@ -54,4 +62,4 @@ def test_killed_rank_is_reported_with_its_signal():
 @pytest.mark.parametrize("nproc", [0, -1, "2"])
 def test_nproc_must_be_positive_int(nproc):
     with pytest.raises(ConfigError, match="nproc must be a positive integer"):
-        ddpkit.launch(_rank_and_world, nproc)
+        ddpkit.launch(_rank_world_and_listeners, nproc)

@@ -10,6 +10,8 @@ drifts between rounds on a shared machine cancels out. Engines:
   native        ddpkit.DataParallel; native+bf16, native+fp16, native+powersgd compress
   native@1mib   native with torch DDP's bucket layout (a 1 MiB first bucket, overlapping
                 backward), instead of the CPU default of one bucket
+  native@NMB    native with buckets of N MiB each (``native@2mb``), first and last included;
+                native@25mb is one bucket. Plain ``native`` picks its layout in its first steps
 
 A step's time is the slowest rank's (steps start at a barrier); CPU time counts all threads.
 Bytes and collectives per step come from torch.profiler's gloo events in one extra step; peak
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import resource
 import time
 from dataclasses import asdict, dataclass
@@ -35,19 +38,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.bench.engine_summary import format_table, format_targets, summarize
+from ddpkit.bench.engine_summary import format_layouts, format_table, format_targets, summarize
 from ddpkit.dist import cpu_cores, destroy, init_distributed
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch import launch
 from ddpkit.launch.elastic import resolve_nproc
 from ddpkit.models import GPT, GPTConfig
-from ddpkit.parallel import DataParallel
+from ddpkit.parallel import DataParallel, PowerSGD
+from ddpkit.parallel.layout import TRIAL_PASSES
 
 ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd", "native@1mib")
 DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
+LINK_ENGINES = "none,torch,native,native@1mib,native+bf16,native+powersgd"  # --link's default
 VOCAB = 128
 _FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head", "threads")
 _HELP = {"threads": "intra-op threads per process; default 0: cores // nproc, as ddpkit sets them"}
+_CAP = re.compile(r"native@([0-9.]+)mb")
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
@@ -80,11 +86,11 @@ class EngineBenchConfig:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        unknown = [e for e in self.engines if e not in ENGINES]
+        unknown = [e for e in self.engines if e not in ENGINES and not _CAP.fullmatch(e)]
         if unknown or not self.engines:
             raise ConfigError(
                 f"--engines {','.join(self.engines)!r} has unknown names {unknown}; "
-                f"choose from {', '.join(ENGINES)}"
+                f"choose from {', '.join(ENGINES)}, or native@NMB for buckets of N MiB"
             )
         for name in ("n_layer", "n_embd", "n_head", "seq", "batch", "blocks", "steps_per_block"):
             if getattr(self, name) < 1:
@@ -107,6 +113,9 @@ def wrap(name: str, model: nn.Module) -> nn.Module:
         return DistributedDataParallel(model)
     if name == "native@1mib":
         return DataParallel(model, first_bucket_mb=1)
+    cap = _CAP.fullmatch(name)
+    if cap:
+        return DataParallel(model, bucket_cap_mb=float(cap[1]), first_bucket_mb=float(cap[1]))
     compression = name.partition("+")[2] or None
     return DataParallel(model, compression=compression)
 
@@ -130,6 +139,13 @@ def _setup(cfg: EngineBenchConfig, rank: int, names: tuple[str, ...]):
     models = {name: wrap(name, copy.deepcopy(base)) for name in names}
     optims = {name: torch.optim.AdamW(m.parameters(), lr=3e-4) for name, m in models.items()}
     return base, models, optims, x, y
+
+
+def warmup_steps(cfg: EngineBenchConfig, name: str) -> int:
+    """Untimed steps before ``name`` is timed: on top, the native engine's layout trial (where it
+    picks its layout) and PowerSGD's plain all-reduce steps."""
+    trial = TRIAL_PASSES if name.startswith("native") and "@" not in name else 0
+    return cfg.warmup + max(trial, PowerSGD().start_iter if name == "native+powersgd" else 0)
 
 
 def _run_block(name, model, optimizer, x, y, steps: int, rank: int) -> list[float]:
@@ -173,19 +189,30 @@ def _rounds(cfg: EngineBenchConfig, args: dict, rank: int) -> tuple[dict, dict]:
     return rounds, spent
 
 
+def measure(cfg: EngineBenchConfig, rank: int, world_size: int, extra=None) -> dict:
+    """The timed rounds on this rank, gathered from every rank; ``extra(base, x, y)`` adds a
+    dict of this rank's own measurements (the link bench's probes) under "extra"."""
+    base, models, optims, x, y = _setup(cfg, rank, cfg.engines)
+    args = {name: (name, models[name], optims[name], x, y) for name in cfg.engines}
+    for name in cfg.engines:
+        _run_block(*args[name], warmup_steps(cfg, name), rank)
+    rounds, spent = _rounds(cfg, args, rank)
+    comm = {name: _comm_per_step(*args[name][1:]) for name in cfg.engines if name != "solo"}
+    trials = {name: getattr(getattr(m, "reducer", None), "trial", None) for name, m in models.items()}
+    chosen = {name: trial.describe() for name, trial in trials.items() if trial is not None}
+    mine = {"rounds": rounds, "spent": spent, "comm": comm, "layouts": chosen}
+    if extra is not None:
+        mine["extra"] = extra(base, x, y)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    params, threads = sum(p.numel() for p in base.parameters()), torch.get_num_threads()
+    return {"ranks": everyone, "params": params, "threads": threads, "nproc": world_size}
+
+
 def _timed_rank(cfg: EngineBenchConfig) -> dict:
     env = init_distributed("gloo")
     try:
-        base, models, optims, x, y = _setup(cfg, env.rank, cfg.engines)
-        args = {name: (name, models[name], optims[name], x, y) for name in cfg.engines}
-        for name in cfg.engines:
-            _run_block(*args[name], cfg.warmup, env.rank)
-        rounds, spent = _rounds(cfg, args, env.rank)
-        comm = {name: _comm_per_step(*args[name][1:]) for name in cfg.engines if name != "solo"}
-        everyone: list = [None] * env.world_size
-        dist.all_gather_object(everyone, {"rounds": rounds, "spent": spent, "comm": comm})
-        params, threads = sum(p.numel() for p in base.parameters()), torch.get_num_threads()
-        return {"ranks": everyone, "params": params, "threads": threads, "nproc": env.world_size}
+        return measure(cfg, env.rank, env.world_size)
     finally:
         destroy()
 
@@ -205,19 +232,27 @@ def parser() -> argparse.ArgumentParser:
     """The ``ddpkit bench engine`` command line."""
     p = OneLineParser(prog="ddpkit bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", default="2", help="processes (default 2)")
-    p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, from {', '.join(ENGINES)}")
+    names = ", ".join(ENGINES)
+    p.add_argument("--engines", help=f"comma-separated, from {names}, native@NMB (default {DEFAULT_ENGINES})")
     for name in _FLAGS:
         default = getattr(EngineBenchConfig(), name)
         text = _HELP.get(name, f"default {default}")
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=text)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
+    p.add_argument(
+        "--link",
+        help="run on --hosts emulated hosts whose links are capped at this rate "
+        "(tc's units: 300mbit, 1gbit; needs root); the engines default to " + LINK_ENGINES,
+    )
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts for --link, one process each")
     p.add_argument("--json", type=Path, help="write the summary to this file")
     return p
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineBenchConfig:
     """The benchmark configuration the parsed flags describe."""
-    engines = tuple(e.strip() for e in ns.engines.split(",") if e.strip())
+    default = LINK_ENGINES if getattr(ns, "link", None) else DEFAULT_ENGINES
+    engines = tuple(e.strip() for e in (ns.engines or default).split(",") if e.strip())
     return EngineBenchConfig(engines=engines, **{name: getattr(ns, name) for name in _FLAGS})
 
 
@@ -225,6 +260,10 @@ def main(argv: list[str]) -> int:
     """``ddpkit bench engine``: prints the table (and writes --json); 0 on success."""
     ns = parser().parse_args(argv)
     cfg = config_from_args(ns)
+    if ns.link:
+        from ddpkit.bench import engine_link  # it builds on this module (measure), not the reverse
+
+        return engine_link.main(ns, cfg)
     nproc = resolve_nproc(ns.nproc)
     timed = launch(_timed_rank, nproc, (cfg,))[0]
     memory = [] if ns.no_memory else [name for name in cfg.engines if name != "solo"]
@@ -236,7 +275,7 @@ def main(argv: list[str]) -> int:
         f"{summary['threads_per_rank']} threads, {cfg.blocks} rounds x {cfg.steps_per_block} steps "
         "per engine; /torch and scaling are medians of per-round ratios"
     )
-    print(format_table(summary))
+    print("\n".join(filter(None, (format_table(summary), format_layouts(summary)))))
     print(format_targets(summary["targets"]))
     if ns.json:
         ns.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

@@ -53,9 +53,11 @@ class HandLoop:
         self.optimizer = make_optimizer(self.model.module, cfg.lr, cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(cfg))
         self.sampler = DistributedSampler(dataset, env.world_size, env.rank, shuffle=True, seed=cfg.seed)
+        # torch's defaults otherwise, which are also run.loader's: workers restart each epoch,
+        # each keeps 2 batches in flight.
         self.loader = DataLoader(
             dataset, batch_size=cfg.global_batch // env.world_size, sampler=self.sampler,
-            num_workers=num_workers, persistent_workers=num_workers > 0,
+            num_workers=num_workers,
         )  # fmt: skip
         self.batches = iter(self.loader)
         self.epoch, self.times = 0, []
@@ -95,9 +97,7 @@ class RunLoop:
         self.model = self.ddpkit_run.setup(model, self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(cfg))
         self.ddpkit_run.track(self.scheduler)
-        self.loader = self.ddpkit_run.loader(
-            dataset, num_workers=num_workers, persistent_workers=num_workers > 0
-        )
+        self.loader = self.ddpkit_run.loader(dataset, num_workers=num_workers)
         self.batches = iter(self.loader)
         self.times = []
 

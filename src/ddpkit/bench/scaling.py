@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.bench import report
+from ddpkit.bench import costmodel, report
 from ddpkit.bench.dataparallel import dataparallel_throughput
 from ddpkit.dist import cpu_cores, destroy, init_distributed, resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
@@ -229,6 +229,7 @@ def parser() -> argparse.ArgumentParser:
         prog="ddpkit bench scaling",
         description="Training throughput and scaling efficiency at each process count.",
     )
+    p.add_argument("--predict", action="store_true", help="the cost model instead: see --predict --help")
     p.add_argument("workload", nargs="?", default="toy", help=f"one of {', '.join(WORKLOADS)}")
     p.add_argument("--nproc", metavar="N,N,...", help="process counts (default: 1, 2, 4 ... up to auto)")
     p.add_argument("--steps", type=int, default=50, help="steps per run, warm-up included")
@@ -260,7 +261,9 @@ def config_from_args(ns: argparse.Namespace) -> ScalingConfig:
 
 
 def main(argv: list[str]) -> int:
-    """``ddpkit bench scaling``: 0 on success, 1 when a run failed."""
+    """``ddpkit bench scaling``: 0 on success, 1 when a run failed; ``--predict``: the cost model."""
+    if "--predict" in argv:
+        return costmodel.main(argv)
     ns = parser().parse_args(argv)
     cfg = config_from_args(ns)
     for n in cfg.nprocs:

@@ -1,5 +1,6 @@
 """Checkpoints: atomic save, verified load, retention of the last K, and RNG state capture."""
 
+from ddpkit.checkpoint.files import DiskFullError
 from ddpkit.checkpoint.manifest import verify_checkpoint
 from ddpkit.checkpoint.rng import capture_rng, restore_rng
 from ddpkit.checkpoint.store import (
@@ -14,6 +15,7 @@ from ddpkit.checkpoint.store import (
 
 __all__ = [
     "CheckpointError",
+    "DiskFullError",
     "capture_rng",
     "list_checkpoints",
     "load_checkpoint",

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -78,15 +79,66 @@ def save_weights(state: dict, path: Path) -> None:
     """Write a plain state_dict (CPU tensors) atomically: a crash mid-write leaves the old file.
 
     The result loads with ``torch.load(path, weights_only=True)``; the temporary file is removed
-    if the write fails (a full disk), so nothing half-written is left beside the old one.
+    if the write fails, so nothing half-written is left beside the old one.
+
+    Raises:
+        DiskFullError: the disk filled up; the old file, if any, is untouched.
     """
     tmp = path.with_name(path.name + ".tmp")
+    weights = {k: v.detach().cpu() for k, v in state.items()}
     try:
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
-        with open(tmp, "rb") as f:
+        # Through a Python file: a full disk then surfaces as ENOSPC, where torch's own writer
+        # reports only "unexpected pos".
+        with open(tmp, "wb") as f:
+            torch.save(weights, f)
+            f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written"
+        raise_if_disk_full(exc, path, state_bytes(weights), kept)
         raise
     fsync_dir(path.parent)
+
+
+class DiskFullError(OSError):
+    """A checkpoint or weights file did not fit; the message names the path and the bytes needed."""
+
+
+def raise_if_disk_full(exc: BaseException, target: Path, needed: int, kept: str) -> None:
+    """Raise ``DiskFullError`` in place of ``exc`` when it, or what caused it, is ENOSPC or EDQUOT.
+
+    torch's writer turns the file's ``OSError`` into a RuntimeError ("unexpected pos"), keeping
+    the OSError as its context, so the whole chain is searched.
+    """
+    cause: BaseException | None = exc
+    while cause is not None and not (
+        isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    ):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return
+    parent = next(p for p in (target, *target.parents) if p.exists())
+    free = shutil.disk_usage(parent).free
+    raise DiskFullError(
+        cause.errno,
+        f"{os.strerror(cause.errno)} writing {target}: it needs about {needed:,} bytes and {free:,} are "
+        f"free there; {kept}; free some space or write to another folder",
+    ) from exc
+
+
+def state_bytes(state: object) -> int:
+    """The bytes ``torch.save`` writes for the tensors in ``state`` (each storage once)."""
+    seen: dict[int, int] = {}
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(seen.values())

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.checkpoint.files import exchange, fsync_dir
+from ddpkit.checkpoint.files import exchange, fsync_dir, raise_if_disk_full, state_bytes
+from ddpkit.checkpoint.loadable import weights_only_problem, weights_only_reason
 from ddpkit.checkpoint.manifest import STATE, checkpoint_name, step_of, verify_checkpoint, write_manifest
 from ddpkit.errors import ConfigError
 
@@ -55,6 +56,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict, keep_last: in
 
     Raises:
         ConfigError: bad ``step`` or ``keep_last``, or ``state`` holds objects a resume could not load.
+        DiskFullError: the disk filled up; the partial copy is removed and the previous checkpoint stays.
     """
     _check_save_args(step, state, keep_last)
     directory = Path(directory)
@@ -66,8 +68,11 @@ def save_checkpoint(directory: str | Path, step: int, state: dict, keep_last: in
         tmp.mkdir()
         _write(tmp, step, state)
         old = _commit(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        earlier = list_checkpoints(directory)
+        kept = f"the previous checkpoint {earlier[-1]} is kept" if earlier else "no earlier checkpoint"
+        raise_if_disk_full(exc, final, state_bytes(state), kept)
         raise
     fsync_dir(directory)  # the rename is durable only once the parent's entry is on disk
     if old is not None:
@@ -101,23 +106,12 @@ def _write(tmp: Path, step: int, state: dict) -> None:
 
 def _check_loadable(path: Path, step: int) -> None:
     """Fail the save, not the resume hours later, when the state holds what weights_only refuses."""
-    try:
-        # mmap: the tensors' bytes are not read, only the pickle that describes them.
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
+    if (problem := weights_only_problem(path)) is not None:
         raise ConfigError(
-            f"checkpoint state for step {step} cannot be loaded with torch.load(weights_only=True): "
-            f"{_weights_only_reason(exc)}; keep the state to tensors, numbers, strings and "
-            "lists/tuples/dicts of them (torch.from_numpy for numpy arrays, .state_dict() for objects)"
-        ) from exc
-
-
-def _weights_only_reason(exc: Exception) -> str:
-    text = str(exc)
-    marker = "WeightsUnpickler error: "
-    if marker in text:
-        text = text.split(marker, 1)[1]
-    return text.split(". Please", 1)[0].split("\n", 1)[0]
+            f"checkpoint state for step {step} cannot be loaded: {problem}; keep the state to tensors, "
+            "numbers, strings and lists/tuples/dicts of them (torch.from_numpy for numpy arrays, "
+            ".state_dict() for objects)"
+        )
 
 
 def _commit(tmp: Path, final: Path) -> Path | None:
@@ -209,7 +203,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"checkpoint {path} holds objects torch.load(weights_only=True) refuses "
-            f"({_weights_only_reason(exc)}); it was not written by save_checkpoint, so rewrite it with that"
+            f"({weights_only_reason(exc)}); it was not written by save_checkpoint, so rewrite it with that"
         ) from exc
 
 
@@ -228,6 +222,8 @@ def newest_good(directory: str | Path) -> Path | None:
     bad: list[tuple[Path, list[str]]] = []
     for path in reversed(list_checkpoints(directory)):
         problems = verify_checkpoint(path)
+        if not problems and (refused := weights_only_problem(path / STATE)) is not None:
+            problems = [refused]  # the manifest matches, but the pickle is not one a resume may load
         if not problems:
             for bad_path, bad_problems in bad:
                 log.warning(

@@ -1,8 +1,12 @@
-"""Diagnostics: replica fingerprints (desync), hang attribution, CPU oversubscription."""
+"""Diagnostics: replica fingerprints (desync), hang attribution, CPU oversubscription.
+
+``HangWatchdog`` is imported on first use (PEP 562), so that the launcher, which imports the
+hang monitor's pieces from here (``run_hang``, ``hang_store``), never loads the watchdog.
+"""
 
 from ddpkit.diagnostics.consistency import check_same_config
+from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
 from ddpkit.diagnostics.fingerprint import check_replicas_agree, fingerprint
-from ddpkit.diagnostics.hang import HANG_EXIT_CODE, HangWatchdog
 from ddpkit.dist.threads import oversubscription, warn_if_oversubscribed
 
 __all__ = [
@@ -14,3 +18,11 @@ __all__ = [
     "oversubscription",
     "warn_if_oversubscribed",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "HangWatchdog":
+        from ddpkit.diagnostics.hang import HangWatchdog
+
+        return HangWatchdog
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.hang_report import format_report
+from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
+from ddpkit.diagnostics.hang_report import format_report, summary_line
 from ddpkit.diagnostics.hang_state import Progress, RankState
 from ddpkit.diagnostics.hang_store import STORE_TIMEOUT_S, BoundedStore, watchdog_store
 from ddpkit.diagnostics.stacks import inflight_op, thread_stack
@@ -39,8 +40,8 @@ from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-HANG_EXIT_CODE = 3
 _REPORTER, _REQUEST = "reporter", "request"
+SUMMARY = "summary"  # the reporter's one-line attribution and report path, for the launcher
 
 
 def _state_key(rank: int) -> str:
@@ -217,6 +218,9 @@ class HangWatchdog:
             if (last := self._last_state(rank)) is not None:
                 states[rank] = last
         rank, size = self.env.rank, self.env.world_size
+        path = str(self.report_path) if self.report_path is not None else ""
+        summary = {"reporter": rank, "line": summary_line(states, size, set(stacks)), "path": path}
+        self._store.call("set", SUMMARY, json.dumps(summary))
         self._emit(format_report(rank, self.timeout_s, size, states, stacks, time.time()))
 
     def _collect_answers(self) -> dict[int, dict]:

@@ -56,8 +56,9 @@ def _level_ranks(newest: int, states: list[RankState]) -> list[str]:
 
 def _late_ranks(newest: int, waiting: list[RankState], behind: list[RankState]) -> list[str]:
     verb = "has" if len(behind) == 1 else "have"
+    waits = "waits" if len(waiting) == 1 else "wait"
     lines = [
-        f"{_ranks([s.rank for s in waiting])} wait in collective {_collective(newest, waiting)}; "
+        f"{_ranks([s.rank for s in waiting])} {waits} in collective {_collective(newest, waiting)}; "
         f"{_ranks([s.rank for s in behind])} {verb} not reached it:"
     ]
     for s in behind:
@@ -67,6 +68,16 @@ def _late_ranks(newest: int, waiting: list[RankState], behind: list[RankState]) 
             f"step {s.step}, phase {s.phase!r}{left}"
         )
     return lines
+
+
+def summary_line(states: Mapping[int, RankState], world_size: int, answered: set[int]) -> str:
+    """The attribution in one line, for the last line a launcher prints: who waits, who is behind,
+    and who did not answer (the rank a reader should look at, rather than the reporter)."""
+    line = "; ".join(text.rstrip(":") for text in attribute(states, world_size) if not text.startswith("  "))
+    silent = [r for r in range(world_size) if r not in answered]
+    if silent:
+        line += f"; {_ranks(silent)} did not answer ({NO_ANSWER.split(': ', 1)[1]})"
+    return line
 
 
 def rank_line(state: RankState | None, rank: int, answered: bool, now_wall: float) -> str:

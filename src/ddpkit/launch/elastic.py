@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
@@ -22,8 +23,18 @@ from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.monitor import HangMonitor
 from ddpkit.launch.ports import check_port_free
 from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
+from ddpkit.launch.stopping import GRACE_S, StopOnSignal, split_signals
 from ddpkit.launch.workerenv import environment, run_directory, worker_variables
 from ddpkit.launch.workerview import write_exit_stacks
+
+GRACE_HELP = (
+    "seconds the workers get after SIGTERM, SIGINT or --preempt-signal to finish their step, "
+    "checkpoint and exit, before they are killed (a second signal kills them at once)"
+)
+PREEMPT_HELP = (
+    "another signal that stops the run as SIGTERM does, e.g. SIGUSR1 for SLURM's --signal=USR1@120 "
+    "early warning; the workers get SIGTERM"
+)
 
 # The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
 LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
@@ -55,6 +66,8 @@ LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
         {"default": None, "help": "this node's address as the other nodes reach it (c10d)"},
     ),
     (("--standalone",), {"action": "store_true", "help": "single node, rendezvous on a free local port"}),
+    (("--grace-period", "--grace_period"), {"type": int, "default": int(GRACE_S), "help": GRACE_HELP}),
+    (("--preempt-signal", "--preempt_signal"), {"default": None, "help": PREEMPT_HELP}),
 ]
 
 
@@ -93,6 +106,10 @@ def torchrun_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--local-addr", ns.local_addr]
     if ns.standalone:
         argv.append("--standalone")
+    # torchrun's own flags carry them, so `ddpkit run` and `ddpkit train` share run_elastic's reading.
+    argv += ["--shutdown-timeout", str(ns.grace_period)]
+    if ns.preempt_signal:
+        argv += ["--signals-to-handle", f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,{ns.preempt_signal}"]
     return argv
 
 
@@ -116,6 +133,11 @@ def run_parser() -> argparse.ArgumentParser:
         "with every rank's stack, and ends the run (default: 90%% of the script's own process-group "
         "timeout, 27 minutes for gloo's default; 0: off)",
     )
+    # torchrun's --shutdown-timeout under ddpkit's name; SUPPRESS keeps torchrun's default.
+    parser.add_argument(
+        "--grace-period", dest="shutdown_timeout", type=int, default=argparse.SUPPRESS, help=GRACE_HELP
+    )
+    parser.add_argument("--preempt-signal", default=None, help=PREEMPT_HELP)
     return parser
 
 
@@ -158,6 +180,8 @@ def check_launch_args(ns: argparse.Namespace) -> None:
     low, high = nnodes_range(ns.nnodes)
     if ns.max_restarts < 0:
         raise ConfigError(f"--max-restarts {ns.max_restarts} is below 0; use 0 or more")
+    if ns.shutdown_timeout is not None and ns.shutdown_timeout < 0:
+        raise ConfigError(f"--grace-period {ns.shutdown_timeout} is below 0; give seconds, 0 or more")
     if ns.rdzv_backend == "static" and not ns.standalone:
         check_static_nodes(ns.node_rank, low, high)
     hosts_store = ns.rdzv_backend == "static" and not ns.rdzv_endpoint and ns.node_rank == 0
@@ -226,6 +250,8 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
         ConfigError: a bad flag, found before anything starts, or bad multi-node input found at
             the rendezvous (see ``ddpkit.launch.rendezvous``).
         WorkerFailure: a worker failed (after any restarts); the message names the rank, or the hang.
+        Stopped: a signal stopped the launcher (``ddpkit.launch.stopping``); its line is printed,
+            and the exit code is 128 + the signal.
     """
     check_launch_args(ns)
     if collective_timeout is not None and collective_timeout < 0:
@@ -233,27 +259,29 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
             f"--collective-timeout {collective_timeout:g} is below 0; "
             "give seconds, or 0 to turn hang reports off"
         )
+    signals, ns.signals_to_handle = split_signals(ns.signals_to_handle, getattr(ns, "preempt_signal", None))
+    grace = GRACE_S if ns.shutdown_timeout is None else ns.shutdown_timeout
     with run_directory() as run_dir:
         monitor = HangMonitor(run_dir, collective_timeout, announce=ns.max_restarts > 0)
         watched = collective_timeout != 0
         progress_s = monitor.poll_s if watched else 0.0
         with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
-            if watched:
-                monitor.start()
+            stop = StopOnSignal(signals, float(grace))
             try:
-                launch_agent(ns, monitor)
-            except ChildFailedError as exc:
-                raise _failure(exc, monitor, run_dir) from None
-            finally:
-                monitor.stop()
+                with stop:
+                    if watched:
+                        monitor.start()
+                    try:
+                        launch_agent(ns, monitor)
+                    except ChildFailedError as exc:
+                        raise _failure(exc, monitor, run_dir) from None
+                    finally:
+                        monitor.stop()
+            except SignalException as exc:
+                raise stop.report(exc.sigval) from None
 
 
 def _failure(exc: ChildFailedError, monitor: HangMonitor, run_dir: Path) -> WorkerFailure:
     """The failure to report: a hang if the launcher saw one, else the first rank that failed."""
-    hang = monitor.verdict
-    if hang is None and (reporter := monitor.watchdog_reporter()) is not None:
-        hang = (
-            f"rank {reporter} reported that a collective did not complete in time (--collective-timeout); "
-            "its hang report is above"
-        )
+    hang = monitor.verdict or monitor.watchdog_verdict()
     return WorkerFailure.from_child_failed(exc, hang=hang, others=write_exit_stacks(run_dir))

@@ -18,6 +18,7 @@ exit code a script could also use.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -84,15 +85,9 @@ class HangMonitor:
         self._round = (node_rank, nnodes, dist.PrefixStore(PREFIX, clone), generation)
         self._worker_store, self._host_store = clone, store
 
-    def watchdog_reporter(self) -> int | None:
-        """The rank whose own HangWatchdog (``ddpkit train``, ``ddpkit.Run``) reported a hang in
-        the last round, from the key it sets in the workers' store; None when none did."""
-        try:
-            keys = self._worker_store.list_keys() if self._worker_store is not None else []
-            key = next((k for k in keys if k.endswith(f"{HANG_STORE_PREFIX}/request")), None)
-            return int(self._worker_store.get(key)) if key else None
-        except (RuntimeError, ValueError):  # the store's host is gone: nothing to read
-            return None
+    def watchdog_verdict(self) -> str | None:
+        """The hang a rank's own HangWatchdog reported in the last round (see ``watchdog_verdict``)."""
+        return watchdog_verdict(self._worker_store) if self._worker_store is not None else None
 
     def start(self) -> HangMonitor:
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-monitor", daemon=True)
@@ -198,3 +193,27 @@ class HangMonitor:
         for pid in self._local.pids().values():
             if is_our_worker(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def watchdog_verdict(store: dist.Store) -> str | None:
+    """The hang a rank's own HangWatchdog (``ddpkit train``, ``ddpkit.Run``) reported, in one line
+    naming the late ranks and the report, from the keys it set in the ranks' store; None if none did.
+    """
+    try:
+        keys = store.list_keys()
+        # The watchdog's keys sit under the process group's own prefix, which varies by launcher.
+        names = ("summary", "request")
+        found = {name: k for k in keys for name in names if k.endswith(f"{HANG_STORE_PREFIX}/{name}")}
+        if "summary" in found:
+            summary = json.loads(store.get(found["summary"]))
+            where = f"; the report is in {summary['path']}" if summary["path"] else ""
+            return (
+                "a collective did not complete in time (the script's collective timeout): "
+                f"{summary['line']}{where} (written by rank {summary['reporter']}, which waited)"
+            )
+        if "request" in found:  # the reporter died before it could say more
+            reporter = int(store.get(found["request"]))
+            return f"rank {reporter}'s hang watchdog reported a hang; its report is above"
+    except (RuntimeError, ValueError, KeyError):  # the store's host is gone: nothing to read
+        pass
+    return None

@@ -19,7 +19,10 @@ import torch.multiprocessing as mp
 
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LaunchError, is_peer_failure
-from ddpkit.launch.ports import free_port
+from ddpkit.launch.monitor import watchdog_verdict
+from ddpkit.launch.stores import LOOPBACK, bound_store
+
+STORE_TIMEOUT_S = 300.0  # for this process's own client of the store, which it never uses
 
 
 def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list[Any]:
@@ -35,8 +38,11 @@ def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc must be a positive integer, got {nproc!r}")
+    # This process hosts the ranks' store, on loopback alone: a TCPStore rank 0 opened itself would
+    # listen on every interface, and it has no authentication (see ddpkit.launch.stores).
+    store = bound_store(LOOPBACK, 0, STORE_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as results:
-        child_args = (fn, tuple(args), nproc, free_port(), results)
+        child_args = (fn, tuple(args), nproc, store.port, results)
         try:
             mp.start_processes(_child, args=child_args, nprocs=nproc, join=True, start_method="spawn")
         except mp.ProcessRaisedException as exc:
@@ -44,6 +50,8 @@ def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list
             raise LaunchError(rank, detail) from None
         except mp.ProcessExitedException as exc:
             how = f"killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+            if (hang := watchdog_verdict(store)) is not None:  # evidence, not the exit code
+                how += f", after a hang report: {hang}"
             raise LaunchError(exc.error_index, how) from None
         return [_load_result(Path(results), rank) for rank in range(nproc)]
 
@@ -70,7 +78,7 @@ def _first_failure(results: Path, exc: mp.ProcessRaisedException) -> tuple[int, 
 def _child(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, results: str) -> None:
     # The launcher's job is to set these, exactly as torchrun does; dist/ reads them.
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -78,6 +86,9 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, por
         LOCAL_WORLD_SIZE=str(nproc),
         GROUP_RANK="0",
         DDPKIT_LAUNCHER="ddpkit",
+        # The store is the launcher's: every rank, rank 0 too, connects to it as a client (torch's
+        # env:// rendezvous and ddpkit's init_distributed both read this).
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     try:
         result = fn(*args)

@@ -52,11 +52,11 @@ class DataParallel(nn.Module, Joinable):
         forward_sync_buffers: torch 2.13's name for broadcasting buffers before each forward;
             False still copies them once at construction. Overrides broadcast_buffers.
         first_bucket_mb: size of the first bucket (and of a last one as small). None picks by
-            device: 1 MiB on GPUs, where an early small all-reduce overlaps with backward; on the
-            CPU, bucket_cap_mb (no small buckets), because gloo's copies and sums run on the cores
-            backward is already using: overlap moves that work rather than hiding it, and each
-            extra collective costs CPU time (``ddpkit bench engine --engines torch,native,native@1mib``:
-            one bucket 0.991 and 0.978 of torch DDP's step in two runs, torch's layout 0.995 and 0.994).
+            device: 1 MiB on GPUs (torch's layout); on the CPU the first synchronized passes try
+            one bucket against buckets of a few MiB and keep the faster, logged once
+            (``ddpkit.parallel.layout``): one bucket where communication is cheap, since gloo's
+            copies and sums run on the cores backward uses; a few MiB each on a slow link, where
+            their all-reduces overlap with backward.
         compression: None, ``"bf16"``, ``"fp16"``, ``"powersgd"`` or a hook callable
             (see ``ddpkit.parallel.compression``); torch's hooks go to ``register_comm_hook``.
     """
@@ -99,6 +99,7 @@ class DataParallel(nn.Module, Joinable):
         self.first_bucket_bytes = int(
             checks.default_first_bucket_mb(module, bucket_cap_mb, first_bucket_mb) * 2**20
         )
+        self.auto_layout = first_bucket_mb is None and all(p.device.type == "cpu" for p in params)
         warn_if_oversubscribed(on_cpu=any(p.device.type == "cpu" for p in params))
         if init_sync:  # torch: broadcast_buffers=False also skips the buffers here, forward_sync_buffers not
             self._sync_initial_state(params, forward_sync_buffers is not None or broadcast)
@@ -126,6 +127,7 @@ class DataParallel(nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters and not self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
+            auto_layout=getattr(self, "auto_layout", False),  # pickles from before it existed
         )
 
     @property

@@ -30,6 +30,7 @@ class Pass:
     queued: bool = False  # the end-of-pass callback is queued on the autograd engine
     next_bucket: int = 0  # buckets are launched strictly in this order
     used_map: tuple[dist.Work, Tensor] | None = None
+    armed_at: float = 0.0  # perf_counter() at the end of the forward (the layout trial times from it)
 
     def queue_end(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the current backward graph is done, once per pass.

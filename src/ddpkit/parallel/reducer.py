@@ -10,6 +10,8 @@ One synchronized backward pass, as a state machine:
               same collectives in the same order, or gloo pairs up the wrong ones);
               the last gradient queues the end-of-backward callback
     reducing - end-of-backward callback: wait for every bucket, write back -> idle
+    idle ---- next forward: buckets rebuilt in arrival order after the first pass, and on the
+              CPU in each layout the trial tries (``ddpkit.parallel.layout``) until it chooses
 
 The average is a sum of pre-scaled gradients: the default hook has each gradient multiplied by
 1 / world_size as it is copied into its bucket (torch DDP's order of operations, so the same
@@ -32,6 +34,7 @@ A pass that started but never got all its gradients (a parameter got no gradient
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -43,6 +46,7 @@ from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.compression import CommHook
 from ddpkit.parallel.errors import ready_too_often, unfinished_pass
 from ddpkit.parallel.graph import reachable_params
+from ddpkit.parallel.layout import broadcast_plan, plan_layout, rebuild_safe
 from ddpkit.parallel.passes import Pass, Sink, all_reduce_used
 
 
@@ -57,6 +61,8 @@ class Reducer:
         find_unused_parameters: walk the graph after each forward to find parameters that will get
             no gradient, and count them as ready instead of waiting for them.
         first_bucket_bytes: size of the small first and last buckets (at most bucket_cap_bytes).
+        auto_layout: ignore first_bucket_bytes; try one bucket and buckets of a few MiB in the
+            first passes and keep the faster (``ddpkit.parallel.layout``).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket.
         static_graph: learn in the first pass which parameters backward reaches, and how often.
     """
@@ -72,17 +78,17 @@ class Reducer:
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
+        auto_layout: bool = False,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.group, self.world_size = process_group, dist.get_world_size(process_group)
-        self.set_hook(hook)
         self.find_unused, self.static_graph = find_unused_parameters, static_graph
         self.grad_as_view = gradient_as_bucket_view
-        # A small first bucket starts communication early in backward (torch DDP's 1 MiB); a small
-        # last bucket shortens the one all-reduce that cannot overlap with backward at all.
-        small = min(first_bucket_bytes, bucket_cap_bytes)
-        self.caps = (small, bucket_cap_bytes, small if small < bucket_cap_bytes else 0)
+        # Layouts are tried where rebuilds are cheap and safe: not with a varying graph.
+        auto = auto_layout and not find_unused_parameters and not static_graph and self.world_size > 1
+        self.layout, self.trial = plan_layout(self.params, first_bucket_bytes, bucket_cap_bytes, auto)
+        self.set_hook(hook)
         # Before any backward, reverse registration order is the best guess of arrival order.
         self._build(list(reversed(range(len(self.params)))))
         # Arrival order, recorded in the first pass, then used to rebuild once; like torch, not
@@ -104,10 +110,14 @@ class Reducer:
     def set_hook(self, hook: CommHook) -> None:
         """Reduce buckets with ``hook`` from the next pass on."""
         self.hook = hook
+        if self.trial is not None and not rebuild_safe(hook, self.trial):
+            self.trial = None  # torch's hooks keep state per bucket index: keep the layout
         self.copy_scale = 1.0 / self.world_size if getattr(hook, "scale_on_copy", False) else None
 
     def _build(self, order: list[int]) -> None:
-        groups = assign_buckets(self.params, order, *self.caps)
+        self.order = order
+        layout = self.layout
+        groups = assign_buckets(self.params, order, layout.first_bytes, layout.cap_bytes, layout.last_bytes)
         self.buckets = [
             Bucket(k, [self.params[i] for i in group], group, self.grad_as_view, k == len(groups) - 1)
             for k, group in enumerate(groups)
@@ -158,7 +168,7 @@ class Reducer:
             unused = [i for i, p in enumerate(self.params) if id(p) not in used]
         expected = self.static_counts if self.static_graph else [1] * len(self.params)
         n = len(self.params)
-        self.current = Pass(expected, unused, fired=[0] * n, waiting=n)
+        self.current = Pass(expected, unused, fired=[0] * n, waiting=n, armed_at=time.perf_counter())
 
     def sink(self, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """static_graph's first pass: route ``outputs`` through the node that ends the pass."""
@@ -167,19 +177,25 @@ class Reducer:
         return Sink.apply(lambda: now.queue_end(self._finish_pass), *outputs)
 
     def rebuild_buckets(self) -> bool:
-        """Once, after the first pass: rebuild the buckets in the order gradients really arrived.
+        """After the first pass: rebuild the buckets in the order gradients really arrived; during
+        a layout trial, after each of its passes, in the layout it tries next.
 
-        Rank 0's order is broadcast, so every rank builds the same buckets. A collective: every
-        rank calls this at the same point (the forward after the first synchronized backward).
+        Rank 0's order and layout are broadcast, so every rank builds the same buckets. A
+        collective: every rank calls this at the same points (the forwards after synchronized
+        backward passes, which every rank counts alike).
         """
-        if not self.rebuild_pending:
+        trial = self.trial if self.trial is not None and self.trial.due() else None
+        if not (self.rebuild_pending or trial):
             return False
-        seen = set(self.arrival or ())
-        rest = [i for i in reversed(range(len(self.params))) if i not in seen]
-        order = torch.tensor((self.arrival or []) + rest, dtype=torch.int64, device=self.params[0].device)
-        dist.broadcast(order, group=self.group, group_src=0)
+        order = self.order
+        if self.rebuild_pending:
+            seen = set(self.arrival or ())
+            order = (self.arrival or []) + [i for i in reversed(range(len(self.params))) if i not in seen]
+        order, index = broadcast_plan(order, trial, self.group, self.params[0].device)
+        if trial is not None:
+            self.layout = trial.candidates[index]
         old_slots = self.slots
-        self._build(order.tolist())
+        self._build(order)
         for i, (old_bucket, old_pos) in old_slots.items():
             bucket, pos = self.slots[i]
             bucket.rebind_from(old_bucket, old_pos, pos)
@@ -263,6 +279,8 @@ class Reducer:
                         bucket.write_back(pos, self.copy_scale)
         if self.arrival is not None:
             self.rebuild_pending = True
+        if self.trial is not None:
+            self.trial.pass_done(time.perf_counter() - now.armed_at)
 
     def _end_recording(self, now: Pass) -> None:
         """static_graph's first pass ends: keep its counts, then fill every bucket at once."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -149,10 +149,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel | DataParallel) else model
 
 
-def set_grad_sync(models: list[nn.Module], sync: bool) -> None:
+def set_grad_sync(models: Iterable[nn.Module], sync: bool) -> None:
     """What ``no_sync()`` toggles, for several models at once: False accumulates locally."""
     for model in models:
-        model.require_backward_grad_sync = sync
+        # Set only on a change: nn.Module.__setattr__ is slow, and most steps are one micro-batch.
+        if model.require_backward_grad_sync != sync:
+            model.require_backward_grad_sync = sync
 
 
 @contextlib.contextmanager

@@ -130,7 +130,9 @@ class _SeededFetch(Dataset):
             seed = int.from_bytes(digest, "little") >> 1
             random.seed(seed)
             np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            # The CPU generator alone: all a worker's transforms can draw from (a worker cannot use
+            # CUDA), and torch.manual_seed's visit to every other backend costs ~0.2 ms per batch.
+            torch.default_generator.manual_seed(seed)
         own = getattr(self.dataset, "__getitems__", None)
         return own(indices) if own else [self.dataset[i] for i in indices]
 
@@ -184,13 +186,15 @@ class Loader:
         self._plan_sampler.plan = plan
         self._generator.manual_seed(hash((self.sampler.seed, self.epoch, self.sampler.state.consumed)))
         batches = iter(self.dataloader)
+        cycle, device = self.run.cycle, self.run.device
+        move = device.type != "cpu"  # the DataLoader's batches are on the CPU already
         for micro in plan:
-            if micro.first and not self.run.cycle.begin(self):
+            if micro.first and not cycle.begin(self):
                 return  # the run's step limit is reached
             batch = self.run._fetch(batches)
-            self.run.cycle.enter(micro)
-            yield to_device(batch, self.run.device)
-        self.run.cycle.finish()
+            cycle.enter(micro)
+            yield to_device(batch, device) if move else batch
+        cycle.finish()
 
     def state_dict(self) -> dict:
         """The position: samples of the current epoch the world has consumed (not prefetched)."""

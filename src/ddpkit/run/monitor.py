@@ -1,9 +1,12 @@
 """Diagnostics a Run gives the user's loop by default: timings per rank, log lines, progress, hangs.
 
 Every rank measures where its step time goes (data, compute, waiting for the gradient
-all-reduce). At log steps all ranks gather those timings, the loss and the user's metrics in
-one collective; rank 0 writes OUT/metrics.jsonl, moves the progress bar and names stragglers.
-The hang watchdog is told the phase of each collective-bearing part of a step.
+all-reduce). At log steps all ranks gather those timings, the loss, whether they logged metrics
+and whether a preemption signal arrived, in one collective that runs in the background: the
+loop goes on with the next step, and at that step's end (or the run's last step) the result is
+read, rank 0 writes OUT/metrics.jsonl, moves the progress bar and names stragglers. A log step
+therefore costs no wait for the slowest rank and no device sync. The hang watchdog is told the
+phase of each collective-bearing part of a step.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from ddpkit.diagnostics import HangWatchdog
-from ddpkit.diagnostics.stats import StepClock, Window, rank_table, stragglers
+from ddpkit.diagnostics.stats import FIELDS, StepClock, Window, rank_table, stragglers
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
@@ -89,6 +93,7 @@ class Monitor:
             self.watchdog = HangWatchdog(env, cfg.collective_timeout, report_path=report).start()
         self.mark = time.perf_counter()  # the end of the last measured interval
         self.start_step = self.logged_step = -1
+        self._pending: _Gather | None = None  # the last log step's gather, still in flight
 
     def _truncate_samples(self, step: int) -> None:
         # A resumed run (maybe at another world size) redoes the steps after its checkpoint:
@@ -148,45 +153,70 @@ class Monitor:
         total[0] += value.detach().double() if isinstance(value, Tensor) else float(value)
         total[1] += 1
 
-    def step_done(self, step: int, ended: bool, last: bool, extra: Callable[[], dict]) -> dict | None:
-        """After a step (``ended``), or at the run's end: a log line when due. Collective when due:
-        every rank reaches the same steps, so all agree on it."""
-        self.clock.add("compute_s", max(0.0, time.perf_counter() - self.mark))
-        self.mark = time.perf_counter()
+    def step_done(
+        self, step: int, ended: bool, last: bool, extra: Callable[[], dict], signal: int = 0
+    ) -> tuple[dict, int] | None:
+        """After a step (``ended``), or at the run's end: start this step's log gather when due, and
+        finish the previous one. Returns the finished one's record and the largest preemption
+        ``signal`` any rank sent with it. Collective when due: every rank reaches the same steps."""
+        now = time.perf_counter()
+        self.clock.add("compute_s", max(0.0, now - self.mark))
+        self.mark = now
         if ended and self.bar is not None:
             self.bar.update(1)
+        logged = self._finish_gather() if self._pending is not None else None
         due = ended and (step % self.cfg.log_every == 0 or step == 1)
-        if not (due or last) or step == self.logged_step or step == self.start_step:
-            return None
-        self.phase(step, "log: loss, timings and metrics all_gather")
-        record = self._record(step, extra())
-        if self.env.is_rank0:
-            self._report(step, record)
-        self.window.reset()
-        self.logged_step, self.mark = step, time.perf_counter()
-        return record
+        if (due or last) and step != self.logged_step and step != self.start_step:
+            self._start_gather(step, extra(), signal)
+            if last:  # nothing follows to finish it
+                logged = self._finish_gather()
+        return logged
 
-    def _record(self, step: int, extra: dict) -> dict:
-        # Whether any rank logged metrics rides on the tensor gather, so the pickled gather of their
+    def _start_gather(self, step: int, extra: dict, signal: int) -> None:
+        self.phase(step, "log: loss, timings and metrics all_gather")
+        window, totals = self.window, self.clock.totals
+        spent = [totals[f] - window.timers_at_start[f] for f in FIELDS]
+        # (2 + len(FIELDS) + 2,): the loss sum stays on the device, so nothing waits for it here.
+        head = [float(window.samples), *spent, float(bool(self.user)), float(signal)]
+        head = torch.tensor(head, dtype=torch.float64).to(self.env.device)
+        mine = torch.cat([window.loss_sum.detach().double().reshape(1), head])
+        rows = [torch.empty_like(mine) for _ in range(self.env.world_size)]
+        work = dist.all_gather(rows, mine, async_op=True)
+        elapsed = time.perf_counter() - window.start
+        self._pending = _Gather(step, rows, work, elapsed, extra, self.user)
+        self.user = {}
+        window.reset()
+        self.logged_step, self.mark = step, time.perf_counter()
+
+    def _finish_gather(self) -> tuple[dict, int]:
+        gather, self._pending = self._pending, None
+        self.phase(gather.step, "log: loss, timings and metrics all_gather")
+        gather.work.wait()
+        table = torch.stack(gather.rows).cpu()  # (world_size, 2 + len(FIELDS) + 2)
+        # Whether any rank logged metrics rode on the tensor gather, so the pickled gather of their
         # names and values (ranks may have logged different ones) runs only when there are some.
-        loss, samples, ranks = self.window.gather(self.env, flag=float(bool(self.user)))
-        elapsed = time.perf_counter() - self.window.start
         everyone: list[dict | None] = [{}] * self.env.world_size
-        if self.window.max_flag:
-            mine = {name: (float(total), count) for name, (total, count) in self.user.items()}
+        if table[:, -2].max().item() > 0:
+            mine = {name: (float(total), count) for name, (total, count) in gather.user.items()}
             everyone = [None] * self.env.world_size
             dist.all_gather_object(everyone, mine)
-        self.user.clear()
-        return {
-            "step": step,
-            "loss": loss,
-            "samples_per_s": samples / elapsed,
-            "time_s": elapsed,
-            **extra,
+        loss_sum, samples = table[:, 0].sum().item(), int(table[:, 1].sum().item())
+        record = {
+            "step": gather.step,
+            "loss": loss_sum / max(samples, 1),
+            "samples_per_s": samples / gather.elapsed,
+            "time_s": gather.elapsed,
+            **gather.extra,
             **_means(everyone),
-            # Running totals since the run (or its resume) began, per rank: `ddpkit report` sums them.
-            "ranks": ranks,
+            # Each rank's seconds in this window: `ddpkit report` sums them over the lines.
+            "ranks": [
+                {"rank": r, **{f: round(table[r, 2 + i].item(), 6) for i, f in enumerate(FIELDS)}}
+                for r in range(self.env.world_size)
+            ],
         }
+        if self.env.is_rank0:
+            self._report(gather.step, record)
+        return record, int(table[:, -1].max().item())
 
     def _report(self, step: int, record: dict) -> None:
         if self.metrics is not None:
@@ -204,7 +234,11 @@ class Monitor:
             )
 
     def close(self, plot: bool) -> None:
-        """Stop the watchdog and the bar; on rank 0 draw OUT/loss.png from the whole metrics file."""
+        """Stop the watchdog and the bar; on rank 0 draw OUT/loss.png from the whole metrics file.
+
+        A gather still in flight (the loop raised) is dropped, not waited for: a rank that failed
+        may never join it."""
+        self._pending = None
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.bar is not None:
@@ -214,6 +248,18 @@ class Monitor:
             if records:
                 with contextlib.suppress(OSError):
                     plot_loss(records, self.out / "loss.png")
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """A log step's gather in flight: what its record needs once the rows arrive."""
+
+    step: int
+    rows: list[Tensor]
+    work: dist.Work
+    elapsed: float
+    extra: dict
+    user: dict[str, list]
 
 
 def _means(everyone: list[dict]) -> dict[str, float]:

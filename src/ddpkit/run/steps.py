@@ -11,14 +11,17 @@ optimizers whether to step.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpkit.diagnostics import check_replicas_agree
+from ddpkit.diagnostics.fingerprint import fingerprint
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run import state
@@ -66,6 +69,7 @@ class StepCycle:
         self.open = self.has_backward = self.save_now = False
         self.indices: list[int] = []
         self.preemption, self.on_preempt, self.paced_step = preemption, on_preempt, step
+        self.replicas = ReplicaCheck(env, monitor, models)
 
     @property
     def accumulating(self) -> bool:
@@ -89,7 +93,7 @@ class StepCycle:
         if micro.samples:
             self.indices += micro.indices
         if micro.first or micro.last:  # no_sync on all but the step's last micro-batch
-            set_grad_sync(list(self.models.values()), micro.last)
+            set_grad_sync(self.models.values(), micro.last)
 
     def finish(self, last: bool = False) -> None:
         """Close the open step (its position, log line, fingerprint check, checkpoint)."""
@@ -102,29 +106,39 @@ class StepCycle:
         last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
             return
-        record = self.monitor.step_done(self.step, ended, last, self._extra)  # built only when logged
-        if record is not None:
-            self._pace(record["ranks"])
+        # The signal rides on the log gather, which is read at the next step's end: every rank
+        # then reads the same maximum, so all stop at that step.
+        logged = self.monitor.step_done(self.step, ended, last, self._extra, self.preemption.received)
+        number = 0
+        if logged is not None:
+            record, number = logged
+            self._pace(record)
+        if self.replicas.pending:
+            self.replicas.finish()
         check_every = self.monitor.cfg.check_every
         if check_every and ended and (self.step % check_every == 0 or last):
-            self.monitor.phase(self.step, "check: replica fingerprint all_gather")
-            for name, model in self.models.items():
-                check_replicas_agree(unwrap(model), self.env, f"at step {self.step} ({name})", buffers=False)
+            self.replicas.start(self.step)
+            if last:  # nothing follows to finish it
+                self.replicas.finish()
         every = self.ckpt_cfg.save_every
         if (self.save_now or (every and (self.step % every == 0 or last))) and self.saved_step != self.step:
             self.checkpoint()
-        if ended and not last and (number := self.preemption.agreed(self.step)):
+        if not ended or last:
+            return
+        if not number and self.monitor.logged_step != self.step:  # else it rides on this step's gather
+            number = self.preemption.agreed(self.step)
+        if number:
             if self.out is not None and self.saved_step != self.step:
                 self.checkpoint()
             self.on_preempt(number, self.step)
 
-    def _pace(self, ranks: list[dict]) -> None:
+    def _pace(self, record: dict) -> None:
         # From gathered timings, so every rank computes the same pace for the agreement.
-        steps = self.step - self.paced_step
+        steps = record["step"] - self.paced_step
         if steps > 0:
-            slowest = max(r["data_s"] + r["compute_s"] + r["comm_wait_s"] for r in ranks)
+            slowest = max(r["data_s"] + r["compute_s"] + r["comm_wait_s"] for r in record["ranks"])
             self.preemption.pace(slowest / steps, self.monitor.cfg.log_every)
-        self.paced_step = self.step
+        self.paced_step = record["step"]
 
     def _extra(self) -> dict:
         extra = {
@@ -171,15 +185,56 @@ class StepCycle:
                 return self.scaler.step(optimizer)
             finally:
                 optimizer._ddpkit_inner = False
-        # The norm is of the all-reduced gradient, the same on every rank: all decide alike.
-        if torch.isfinite(norm):
+        # The norm is of the all-reduced gradient, the same on every rank: all decide alike. One
+        # .item() is the host sync the decision needs (torch's GradScaler makes the same one), and
+        # costs less than torch.isfinite's extra kernel and its bool().
+        value = norm.item()
+        if math.isfinite(value):
             return step(closure)
         if self.optim_cfg.on_nonfinite == "stop":
             raise FloatingPointError(
-                f"step {self.step}: the gradient norm is {norm.item()} on every rank; lower the learning "
+                f"step {self.step}: the gradient norm is {value} on every rank; lower the learning "
                 "rate or check the data, or pass on_nonfinite='skip' to skip such steps"
             )
         self.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
-        log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, norm.item())
+        log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, value)
         return None
+
+
+class ReplicaCheck:
+    """Every ``check_every`` steps, all ranks compare parameter fingerprints with rank 0's.
+
+    The fingerprints' all_gather runs in the background and is read at the next step's end (at
+    once on the run's last step), so a check step waits for no rank; a replica that drifted
+    then stops every rank one step later, naming the step it was seen at.
+    """
+
+    def __init__(self, env: DistEnv, monitor: Monitor, models: dict[str, nn.Module]) -> None:
+        self.env, self.monitor, self.models = env, monitor, models
+        self.pending: list[tuple] = []
+        self.step = 0
+
+    def start(self, step: int) -> None:
+        self.monitor.phase(step, "check: replica fingerprint all_gather")
+        self.step = step
+        for name, model in self.models.items():
+            names, local = fingerprint(unwrap(model), buffers=False)  # between steps: no buffers
+            local = local.to(self.env.device) if self.env.backend == "nccl" else local
+            rows = [torch.empty_like(local) for _ in range(self.env.world_size)]
+            self.pending.append((name, names, rows, dist.all_gather(rows, local, async_op=True)))
+
+    def finish(self) -> None:
+        """Wait for the gathers; raises on every rank if any replica differs from rank 0's."""
+        self.monitor.phase(self.step, "check: replica fingerprint all_gather")
+        pending, self.pending = self.pending, []
+        for name, names, rows, work in pending:
+            work.wait()
+            table = torch.stack(rows).cpu()  # (world_size, 2 * tensors)
+            bad = [rank for rank in range(len(rows)) if not torch.equal(table[rank], table[0])]
+            if bad:
+                first = int((table[bad[0]] != table[0]).nonzero()[0]) // 2
+                raise RuntimeError(
+                    f"replicas differ at step {self.step} ({name}): ranks {bad} disagree with rank 0, "
+                    f"first at {names[first]!r}; every rank must load the same checkpoint and run the same code"
+                )
