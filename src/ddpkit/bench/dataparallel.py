@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.job import JobConfig
 from ddpkit.train.trainer import make_optimizer
 from ddpkit.train.workloads import get_workload
 
@@ -25,7 +25,7 @@ def _batches(loader: DataLoader) -> Iterator:
         yield from loader
 
 
-def dataparallel_throughput(cfg: TrainConfig, ngpus: int, warmup: int) -> tuple[float, float]:
+def dataparallel_throughput(cfg: JobConfig, ngpus: int, warmup: int) -> tuple[float, float]:
     """(samples per second, seconds per step) of nn.DataParallel over GPUs 0 .. ngpus - 1, in this process.
 
     Args:
@@ -33,13 +33,13 @@ def dataparallel_throughput(cfg: TrainConfig, ngpus: int, warmup: int) -> tuple[
         ngpus: GPUs to spread each batch over.
         warmup: leading steps left out of the timing.
     """
-    torch.manual_seed(cfg.seed)
-    job = get_workload(cfg.workload).build(cfg)
+    torch.manual_seed(cfg.run.seed)
+    job = get_workload(cfg.train.task).build(cfg)
     model = nn.DataParallel(job.model.cuda(0), device_ids=list(range(ngpus)))
-    optimizer = make_optimizer(model.module, cfg.lr, cfg.weight_decay)
-    loader = DataLoader(job.dataset, batch_size=cfg.global_batch, shuffle=True, drop_last=True)
+    optimizer = make_optimizer(model.parameters(), cfg.train.lr, cfg.train.weight_decay)
+    loader = DataLoader(job.dataset, batch_size=cfg.data.global_batch, shuffle=True, drop_last=True)
     batches, start = _batches(loader), time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(cfg.run.steps):
         if step == warmup:
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -49,5 +49,5 @@ def dataparallel_throughput(cfg: TrainConfig, ngpus: int, warmup: int) -> tuple[
         loss.backward()
         optimizer.step()
     torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / (cfg.steps - warmup)
-    return cfg.global_batch / seconds, seconds
+    seconds = (time.perf_counter() - start) / (cfg.run.steps - warmup)
+    return cfg.data.global_batch / seconds, seconds

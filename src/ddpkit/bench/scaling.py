@@ -32,10 +32,11 @@ from ddpkit.dist import cpu_cores, destroy, init_distributed, resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch import LaunchError, launch
 from ddpkit.launch.elastic import resolve_nproc
-from ddpkit.train.callbacks import Callback
-from ddpkit.train.config import TrainConfig, check_split
+from ddpkit.run import Run
+from ddpkit.run.setup import check_split
+from ddpkit.train.job import JobConfig, layered
 from ddpkit.train.trainer import Trainer
-from ddpkit.train.workloads import WORKLOADS, get_workload, with_defaults
+from ddpkit.train.workloads import WORKLOADS, get_workload
 
 SCALINGS = ("strong", "weak")
 
@@ -96,7 +97,7 @@ class ScalingConfig:
     @property
     def base_batch(self) -> int:
         """The global batch at the first process count."""
-        return self.global_batch or WORKLOADS[self.workload].global_batch
+        return self.global_batch or WORKLOADS[self.workload].defaults["global_batch"]
 
     def batch_at(self, nproc: int) -> int:
         """The global batch with ``nproc`` processes."""
@@ -104,47 +105,29 @@ class ScalingConfig:
             return self.base_batch
         return self.base_batch // self.nprocs[0] * nproc
 
-    def train_config(self, nproc: int, out: str) -> TrainConfig:
-        """The Trainer's configuration for one run; it logs only after the last step, outside the timing."""
-        return with_defaults(
-            TrainConfig(
-                workload=self.workload,
-                steps=self.steps,
-                global_batch=self.batch_at(nproc),
-                seed=self.seed,
-                out=out,
-                log_every=self.steps,
-                backend=self.backend,
-            )
-        )
+    def train_config(self, nproc: int, out: str) -> JobConfig:
+        """One run's config: it logs only after the last step, outside the timing, and saves nothing."""
+        changes = {"steps": self.steps, "global_batch": self.batch_at(nproc), "seed": self.seed, "out": out}
+        changes |= {"log_every": self.steps, "backend": self.backend, "save_every": 0, "progress": False}
+        return layered(self.workload, WORKLOADS[self.workload].defaults, changes)
 
 
-class StepClock(Callback):
-    """Times the steps after warm-up: from the end of step ``warmup`` to the end of the last step.
+class TimedTrainer(Trainer):
+    """The built-in Trainer, timing its steps after warm-up: from the end of step ``warmup`` to
+    the end of the last step (set ``warmup`` before ``fit``)."""
 
-    Args:
-        warmup: steps left out of the timing.
-    """
+    warmup = 0
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start = self.end = 0.0
-        self.steps = 0
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        self.start = self._now(trainer)
-
-    def on_step_end(self, trainer: Trainer, step: int, indices: list[int]) -> None:
-        if step == self.warmup:
-            self.start = self._now(trainer)
-        if step == trainer.total_steps:
-            self.end, self.steps = self._now(trainer), step - self.warmup
-
-    @staticmethod
-    def _now(trainer: Trainer) -> float:
-        if trainer.env.device.type == "cuda":
-            torch.cuda.synchronize(trainer.env.device)  # kernels still queued belong to the step
-        return time.perf_counter()
+    def _run_batch(self, batch) -> None:
+        super()._run_batch(batch)
+        step = self.run.step
+        if self.run.at_step_end and step in (1, self.warmup, self.total_steps):
+            if self.run.device.type == "cuda":
+                torch.cuda.synchronize(self.run.device)  # kernels still queued belong to the step
+            if step in (1, self.warmup):
+                self.start = time.perf_counter()
+            if step == self.total_steps:
+                self.end, self.steps = time.perf_counter(), step - max(1, self.warmup)
 
     def throughput(self, global_batch: int) -> tuple[float, float]:
         """(samples per second, seconds per step) over the timed steps."""
@@ -159,12 +142,12 @@ def _ddp_worker(cfg: ScalingConfig, nproc: int, out: str) -> tuple[float, float]
     # idle OpenMP threads waiting on each other slow tiny models down 100-fold).
     torch.set_num_threads(cfg.threads_per_process)
     try:
-        torch.manual_seed(cfg.seed)
-        train_cfg = cfg.train_config(nproc, out)
-        job = get_workload(cfg.workload).build(train_cfg)
-        clock = StepClock(cfg.warmup)
-        Trainer(job.model, job.dataset, job.loss_fn, env, train_cfg, callbacks=[clock]).fit()
-        return clock.throughput(train_cfg.global_batch) if env.is_rank0 else None
+        job = cfg.train_config(nproc, out)
+        run = Run(**job.run_options())
+        trainer = TimedTrainer(run, get_workload(cfg.workload).build(job), job.train)
+        trainer.warmup = cfg.warmup
+        trainer.fit()
+        return trainer.throughput(job.data.global_batch) if env.is_rank0 else None
     finally:
         destroy()
 
