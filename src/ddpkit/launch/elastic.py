@@ -275,6 +275,11 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
                         launch_agent(ns, monitor)
                     except ChildFailedError as exc:
                         raise _failure(exc, monitor, run_dir) from None
+                    except torch.distributed.DistStoreError:
+                        # torch's agent timed out waiting for another node's role in the round.
+                        if (why := monitor.peer_unreachable()) is None:
+                            raise
+                        raise ConfigError(why) from None
                     finally:
                         monitor.stop()
             except SignalException as exc:
