@@ -116,11 +116,12 @@ def test_two_machines_of_two_equal_one_machine_of_four(machines, one_machine, tm
     a, b = machines
     out = tmp_path / "two_nodes"
     if backend == "c10d":
-        # --local-addr: the address the other machine reaches this one at (rank 0's store for the
-        # workers is announced under it). --node-rank 1 on b only keeps `ddpkit train` there from
-        # preparing the shared --out a second time; c10d assigns the ranks itself.
+        # The README's command, without --local-addr: each node advertises its address on the
+        # route to the endpoint (the two namespaces share a host name, as containers do).
+        # --node-rank 1 on b only keeps `ddpkit train` there from preparing the shared --out a
+        # second time; c10d assigns the ranks itself.
         launch = f"--rdzv-backend c10d --rdzv-endpoint {a['addr']}:{PORT} --rdzv-id netns"
-        flags = [f"{launch} --local-addr {a['addr']}", f"{launch} --local-addr {b['addr']} --node-rank 1"]
+        flags = [launch, f"{launch} --node-rank 1"]
     else:
         launch = f"--master-addr {a['addr']} --master-port {PORT}"
         flags = [f"{launch} --node-rank 0", f"{launch} --node-rank 1"]
@@ -178,10 +179,10 @@ def test_multi_node_stores_listen_on_the_nodes_addresses_only(machines, tmp_path
     script, ready = tmp_path / "sleep.py", tmp_path / "ready"
     script.write_text(SLEEP_SCRIPT)
     launch = f"--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint {a['addr']}:{PORT} --rdzv-id bind"
-    nodes = [_run_node(a, f"{launch} --local-addr {a['addr']}", script, str(ready))]
+    nodes = [_run_node(a, launch, script, str(ready))]  # no --local-addr: the route's address
     try:
         _wait_listening(a, nodes[0])
-        nodes.append(_run_node(b, f"{launch} --local-addr {b['addr']}", script, str(ready)))
+        nodes.append(_run_node(b, launch, script, str(ready)))
         deadline = time.monotonic() + 90
         while not ready.exists():
             assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "no workers"
@@ -213,3 +214,35 @@ def test_a_hang_across_machines_is_reported_with_the_remote_ranks_stack(machines
     assert last_b == last_a  # node b names the same hang, from node 0's verdict
     report = Path(last_a.rsplit(" is in ", 1)[1]).read_text()
     assert "in stuck_forever" in report.split("stacks of rank 1")[1], report  # fetched from b
+
+
+def test_a_node_that_cannot_reach_node_zeros_store_says_so_in_one_line(machines, tmp_path):
+    a, b = machines
+    script, ready = tmp_path / "sleep.py", tmp_path / "ready"
+    script.write_text(SLEEP_SCRIPT)
+    # Both advertise loopback, which only they themselves reach; whichever c10d makes node 0, the
+    # other cannot connect to its workers' store and ends after read_timeout.
+    conf = "--rdzv-conf bind_addr=0.0.0.0,read_timeout=3 --local-addr 127.0.0.1"
+    launch = (
+        f"--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint {a['addr']}:{PORT} --rdzv-id far {conf}"
+    )
+    nodes = [_run_node(a, launch, script, str(ready))]
+    try:
+        _wait_listening(a, nodes[0])
+        nodes.append(_run_node(b, launch, script, str(ready)))
+        deadline = time.monotonic() + 60
+        while any(n.poll() is None for n in nodes):
+            assert time.monotonic() < deadline, "the nodes did not give up on each other's store"
+            time.sleep(0.1)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.send_signal(signal.SIGTERM)
+        ended = [node.communicate(timeout=60) for node in nodes]
+    # Both end with one line (after torch's C++ warnings): the node that gave up says why, and node
+    # 0, whose agent timed out waiting for it, repeats that reason instead of torch's timeout.
+    last = [err.strip().splitlines()[-1] for _, err in ended]
+    assert [node.returncode for node in nodes] == [2, 2], [err[-3000:] for _, err in ended]
+    assert last[0] == last[1], last
+    assert "cannot reach the workers' store at 127.0.0.1:" in last[0], last
+    assert "node 0 advertised (Connection refused, for 3 s); start node 0 with --local-addr" in last[0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,25 +154,31 @@ def engine_buckets(name: str, params: Sequence[nn.Parameter]) -> dict[str, list[
 
 
 def check(summary: dict, latency_s: float) -> list[dict]:
-    """Predicted against measured median steps of a ``bench engine --link`` summary.
+    """Predicted against measured steps of a ``bench engine --link`` summary, round by round.
 
-    Compute is the run's own no-communication step, split into phases as its probe measured;
-    the link is the nominal rate with ``latency_s``.
+    In each round the compute is that round's no-communication step (split into phases as the
+    run's probe measured), so load that drifts between rounds on a shared machine moves the
+    prediction with the measurement; the error is the median over rounds. The link is the
+    nominal rate with ``latency_s``.
     """
     got, rows = summary["link"], summary["engines"]
-    none_s = rows["none"]["median_ms"] / 1e3
-    scale = none_s / (got["forward_s"] + got["backward_s"] + got["optimizer_s"])
-    compute = Compute(got["forward_s"] * scale, got["backward_s"] * scale, got["optimizer_s"] * scale)
+    phases = (got["forward_s"], got["backward_s"], got["optimizer_s"])
     link = Link(got["link_rate_bps"], latency_s)
     params, found = gpt_params(), []
     for name, row in rows.items():
         buckets = engine_buckets(name, params)
         if buckets is None:
             continue
-        predicted = min(predict_step_s(compute, sizes, summary["hosts"], link) for sizes in buckets.values())
-        measured = row["median_ms"] / 1e3
-        found.append({"engine": name, "measured_s": measured, "predicted_s": predicted,
-                      "error": predicted / measured - 1})  # fmt: skip
+        errors, predicted = [], []
+        pairs = zip(rows["none"]["round_medians_ms"], row["round_medians_ms"], strict=True)
+        for none_ms, measured_ms in pairs:
+            compute = Compute(*(none_ms / 1e3 * p / sum(phases) for p in phases))
+            step = min(predict_step_s(compute, sizes, summary["hosts"], link) for sizes in buckets.values())
+            predicted.append(step)
+            errors.append(step / (measured_ms / 1e3) - 1)
+        found.append({"engine": name, "measured_s": row["median_ms"] / 1e3,
+                      "predicted_s": statistics.median(predicted), "error": statistics.median(errors),
+                      "error_range": (min(errors), max(errors))})  # fmt: skip
     return found
 
 
@@ -214,10 +221,11 @@ def main(argv: list[str]) -> int:
         run = {"file": str(path), "hosts": summary["hosts"], "rate_bps": summary["link"]["link_rate_bps"]}
         for c in check(summary, link.latency_s):
             checked.append(c | run)
+            low, high = c["error_range"]
             print(
                 f"{path.name}: {run['hosts']} hosts at {run['rate_bps'] / 1e6:.0f} Mbit/s  {c['engine']:<13} "
                 f"measured {1e3 * c['measured_s']:7.1f} ms  predicted {1e3 * c['predicted_s']:7.1f} ms  "
-                f"{100 * c['error']:+.0f}%"
+                f"{100 * c['error']:+.0f}% (rounds {100 * low:+.0f}..{100 * high:+.0f}%)"
             )
     if ns.json:
         ns.json.write_text(json.dumps({"rows": rows, "checked": checked}, indent=2) + "\n", encoding="utf-8")

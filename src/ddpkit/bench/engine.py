@@ -18,7 +18,8 @@ Bytes and collectives per step come from torch.profiler's gloo events in one ext
 RSS from separate short runs, one per engine (a process's peak covers all it ever held).
 ``--threads`` overrides ddpkit's one-share-of-the-cores per process: ``--threads 2`` with 2
 processes on 2 cores is what a tutorial script started with mp.spawn runs (torch's default).
-The arithmetic and the targets are in ``engine_summary``.
+The arithmetic and the targets are in ``engine_summary``. ``--link RATE`` runs the engines on
+emulated hosts joined by links capped at RATE, one process per host (``engine_link``).
 """
 
 from __future__ import annotations

@@ -23,18 +23,16 @@ from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.monitor import HangMonitor
 from ddpkit.launch.ports import check_port_free
 from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
-from ddpkit.launch.stopping import GRACE_S, StopOnSignal, split_signals
+from ddpkit.launch.stopping import (
+    GRACE_HELP,
+    GRACE_S,
+    PREEMPT_HELP,
+    StopOnSignal,
+    parse_signal,
+    split_signals,
+)
 from ddpkit.launch.workerenv import environment, run_directory, worker_variables
 from ddpkit.launch.workerview import write_exit_stacks
-
-GRACE_HELP = (
-    "seconds the workers get after SIGTERM, SIGINT or --preempt-signal to finish their step, "
-    "checkpoint and exit, before they are killed (a second signal kills them at once)"
-)
-PREEMPT_HELP = (
-    "another signal that stops the run as SIGTERM does, e.g. SIGUSR1 for SLURM's --signal=USR1@120 "
-    "early warning; the workers get SIGTERM"
-)
 
 # The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
 LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
@@ -66,8 +64,11 @@ LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
         {"default": None, "help": "this node's address as the other nodes reach it (c10d)"},
     ),
     (("--standalone",), {"action": "store_true", "help": "single node, rendezvous on a free local port"}),
-    (("--grace-period", "--grace_period"), {"type": int, "default": int(GRACE_S), "help": GRACE_HELP}),
-    (("--preempt-signal", "--preempt_signal"), {"default": None, "help": PREEMPT_HELP}),
+    (
+        ("--grace-period", "--grace_period"),
+        {"type": int, "default": int(GRACE_S), "metavar": "SECONDS", "help": GRACE_HELP},
+    ),
+    (("--preempt-signal", "--preempt_signal"), {"default": None, "metavar": "SIGNAL", "help": PREEMPT_HELP}),
 ]
 
 
@@ -109,7 +110,8 @@ def torchrun_argv(ns: argparse.Namespace) -> list[str]:
     # torchrun's own flags carry them, so `ddpkit run` and `ddpkit train` share run_elastic's reading.
     argv += ["--shutdown-timeout", str(ns.grace_period)]
     if ns.preempt_signal:
-        argv += ["--signals-to-handle", f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,{ns.preempt_signal}"]
+        preempt = parse_signal(ns.preempt_signal).name  # the error names --preempt-signal
+        argv += ["--signals-to-handle", f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,{preempt}"]
     return argv
 
 
@@ -135,9 +137,14 @@ def run_parser() -> argparse.ArgumentParser:
     )
     # torchrun's --shutdown-timeout under ddpkit's name; SUPPRESS keeps torchrun's default.
     parser.add_argument(
-        "--grace-period", dest="shutdown_timeout", type=int, default=argparse.SUPPRESS, help=GRACE_HELP
+        "--grace-period",
+        dest="shutdown_timeout",
+        type=int,
+        default=argparse.SUPPRESS,
+        metavar="SECONDS",
+        help=GRACE_HELP,
     )
-    parser.add_argument("--preempt-signal", default=None, help=PREEMPT_HELP)
+    parser.add_argument("--preempt-signal", default=None, metavar="SIGNAL", help=PREEMPT_HELP)
     return parser
 
 
@@ -275,6 +282,11 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
                         launch_agent(ns, monitor)
                     except ChildFailedError as exc:
                         raise _failure(exc, monitor, run_dir) from None
+                    except torch.distributed.DistStoreError:
+                        # torch's agent timed out waiting for another node's role in the round.
+                        if (why := monitor.peer_unreachable()) is None:
+                            raise
+                        raise ConfigError(why) from None
                     finally:
                         monitor.stop()
             except SignalException as exc:

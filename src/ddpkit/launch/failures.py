@@ -86,8 +86,10 @@ class WorkerFailure(RuntimeError):
         return cls(rank, failure.exitcode, detail.strip() + where)
 
 
-# gloo's words for a connection that could not be made or was lost, most telling first; the
-# peer follows as [ADDR]:PORT ("... Connection refused, remote=[10.0.0.2]:4242").
+# gloo's words for a connection that could not be made or was lost, most telling first. The peer
+# is on the same line as [ADDR]:PORT, after the words ("... Connection refused, remote=[10.0.0.2]:4242",
+# "Connection closed by peer [10.0.0.2]:4242") or before them ("Read error [10.0.0.2]:4242:
+# Connection reset by peer").
 NETWORK_ERRORS = (
     "No route to host",
     "Network is unreachable",
@@ -97,17 +99,21 @@ NETWORK_ERRORS = (
     "Connection closed by peer",
     "timed out connecting",
 )
+PEER_ADDRESS = re.compile(r"\[([^\]]+)\]:(\d+)")
 
 
 def network_cause(text: str) -> str | None:
     """One line naming the unreachable peer, from a gloo error in ``text``; None if there is none."""
+    lines = text.splitlines()
     for why in NETWORK_ERRORS:
-        if found := re.search(re.escape(why) + r"[^\n\[]*?\[([^\]]+)\]:(\d+)", text):
-            addr, port = found.groups()
-            return (
-                f"network: the peer at {addr}:{port} was unreachable ({why}): its process is gone, "
-                "or the network between the two hosts is cut"
-            )
+        for line in (line for line in lines if why in line):
+            # The address nearest the words: gloo's own "[file.cc:152]" holds no port-like pair.
+            if found := PEER_ADDRESS.findall(line):
+                addr, port = found[-1]
+                return (
+                    f"network: the peer at {addr}:{port} was unreachable ({why}): its process is gone, "
+                    "or the network between the two hosts is cut"
+                )
     return None
 
 

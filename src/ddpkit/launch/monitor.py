@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ddpkit.diagnostics.hang_store import STORE_PREFIX as HANG_STORE_PREFIX
 from ddpkit.diagnostics.run_hang import WorkerState, auto_timeout, find_hang, format_report
+from ddpkit.launch.stores import UNREACHABLE_KEY
 from ddpkit.launch.workerview import LocalRanks, dump_stacks, is_our_worker
 
 PREFIX = "ddpkit/run"
@@ -38,6 +39,7 @@ STORE_TIMEOUT_S = 5.0
 ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
 ACK_S = 10.0  # how long node 0 keeps the store up for the other nodes to read a verdict
 QUIET_S = 10.0  # after a failed store call, how long to wait before the next
+UNREACHABLE_WAIT_S = 10.0  # how long node 0 waits for another node's reason after its own timeout
 AUTO_SOURCE = "90% of the script's process-group timeout; --collective-timeout S sets another"
 
 
@@ -60,6 +62,7 @@ class HangMonitor:
         self.report_path = run_dir / "hang-report.txt"
         self._round: tuple[int, int, dist.Store, int] | None = None  # node rank, nodes, store, generation
         self._worker_store: dist.Store | None = None
+        self._round_store: dist.Store | None = None
         self._host_store: dist.Store | None = None
         self._quiet_until = 0.0
         self._seen_generation, self._answered, self._ended = 0, "", False
@@ -67,7 +70,9 @@ class HangMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def on_round(self, node_rank: int, nnodes: int, store: dist.Store) -> None:
+    def on_round(
+        self, node_rank: int, nnodes: int, store: dist.Store, round_store: dist.Store | None = None
+    ) -> None:
         """A new round is about to start its workers (the agent stopped the last round's).
 
         Args:
@@ -75,7 +80,10 @@ class HangMonitor:
             nnodes: the nodes in the round.
             store: the round's worker store; kept, so that on node 0 it outlives the agent until
                 the other nodes have read a verdict.
+            round_store: the round's rendezvous store, where a node that cannot reach ``store``
+                says so.
         """
+        self._round_store = round_store
         for pattern in ("progress-*", "stacks-*", "exit-*"):
             for path in self.run_dir.glob(pattern):
                 path.unlink(missing_ok=True)
@@ -84,6 +92,25 @@ class HangMonitor:
         generation = self._round[3] + 1 if self._round else 1
         self._round = (node_rank, nnodes, dist.PrefixStore(PREFIX, clone), generation)
         self._worker_store, self._host_store = clone, store
+
+    def peer_unreachable(self, wait_s: float = UNREACHABLE_WAIT_S) -> str | None:
+        """Why another node of the round could not reach this node's workers' store, if one said so.
+
+        torch's agent waits for every node's role in the round for the store's timeout; a node
+        that cannot reach the store gives up after the same time, so its reason may come a moment
+        after this node's own timeout: wait ``wait_s`` for it.
+        """
+        deadline = time.monotonic() + wait_s
+        while self._round_store is not None:
+            try:
+                if self._round_store.check([UNREACHABLE_KEY]):
+                    return self._round_store.get(UNREACHABLE_KEY).decode()
+            except RuntimeError:  # the rendezvous store's host is gone
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+        return None
 
     def watchdog_verdict(self) -> str | None:
         """The hang a rank's own HangWatchdog reported in the last round (see ``watchdog_verdict``)."""

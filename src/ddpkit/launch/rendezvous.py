@@ -40,7 +40,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ddpkit.errors import ConfigError
 from ddpkit.launch.ports import answers, is_local_address, wait_reachable
 from ddpkit.launch.rollcall import check_same_nnodes, linger, nnodes_text, roll_call
-from ddpkit.launch.stores import bound_store, fresh_worker_store, rendezvous_bind
+from ddpkit.launch.stores import bound_store, fresh_worker_store, rendezvous_bind, route_source
 
 # torch's rendezvous name -> ddpkit's checked variant of it.
 CHECKED = {"static": "ddpkit-static", "c10d": "ddpkit-c10d"}
@@ -244,6 +244,10 @@ def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:
         backend = C10dRendezvousBackend(store, params.run_id)
     roll = dist.PrefixStore(f"ddpkit/rollcall/{params.run_id}", store)
     check_same_nnodes(roll, nnodes_text(params.min_nodes, params.max_nodes))
+    if not params.local_addr and params.max_nodes > 1:
+        # torch names this node by its host name, which containers share; its address on the
+        # route to the endpoint is one the other nodes can tell apart, and reach.
+        params.local_addr = route_source(host)
     inner = create_handler(store, backend, params)
     checked = CheckedC10dRendezvous(inner, roll, f"{host}:{port}", params)
     return fresh_worker_store(checked, params, node0_addr=None)

@@ -37,6 +37,14 @@ from ddpkit.errors import ConfigError
 GRACE_S = 30.0  # torch's own shutdown timeout, and long enough for a checkpoint of a large model
 ALWAYS = ("SIGTERM", "SIGINT")
 TORCH_KEEPS = ("SIGHUP", "SIGQUIT")  # left to torch's agent: a closed terminal, a core dump request
+GRACE_HELP = (
+    "seconds the workers get after SIGTERM, SIGINT or --preempt-signal to finish their step, "
+    "checkpoint and exit, before they are killed (a second signal kills them at once)"
+)
+PREEMPT_HELP = (
+    "another signal that stops the run as SIGTERM does, e.g. SIGUSR1 for SLURM's --signal=USR1@120 "
+    "early warning; the workers get SIGTERM"
+)
 KILL_WAIT_S = 5.0  # a SIGKILLed process in the kernel (D state) may take a moment to end
 AGENT_LOG = logging.getLogger("torch.distributed.elastic.agent.server.api")
 

@@ -18,6 +18,7 @@ Two faults of the stores torch's elastic agent sets up, both fixed here rather t
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -31,10 +32,12 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ddpkit.errors import ConfigError
+from ddpkit.launch.ports import answers
 
 LOOPBACK = "127.0.0.1"
 WORKER_STORE_KEY = "ddpkit/worker-store"  # in the round's rendezvous store: HOST:PORT of the workers' store
 WORKER_STORE_TIMEOUT_S = 60.0
+UNREACHABLE_KEY = "ddpkit/unreachable"  # in the round's rendezvous store: why a node gave up on it
 
 
 def ip_of(host: str) -> str:
@@ -108,8 +111,9 @@ class FreshWorkerStore(RendezvousHandler):
         bind: the address node 0 listens on for the workers.
         advertise: the address the workers connect to (``bind``, unless that is a wildcard).
         timeout_s: the store's timeout, and how long other nodes wait for node 0's address.
-        on_round: called after each round with this node's rank, the number of nodes, and the
-            new store (node 0: the store itself, so the callee may keep it up; others: a client).
+        on_round: called after each round with this node's rank, the number of nodes, the new
+            store (node 0: the store itself, so the callee may keep it up; others: a client), and
+            the round's rendezvous store.
     """
 
     def __init__(
@@ -118,7 +122,7 @@ class FreshWorkerStore(RendezvousHandler):
         bind: str,
         advertise: str,
         timeout_s: float,
-        on_round: Callable[[int, int, dist.Store], None] | None = None,
+        on_round: Callable[[int, int, dist.Store, dist.Store], None] | None = None,
     ) -> None:
         self.inner, self.bind, self.advertise, self.timeout_s = inner, bind, advertise, timeout_s
         self.on_round = on_round
@@ -139,12 +143,32 @@ class FreshWorkerStore(RendezvousHandler):
             info.store.set(WORKER_STORE_KEY, f"{self.advertise}:{self.worker_store.port}")
         host, _, port = info.store.get(WORKER_STORE_KEY).decode().rpartition(":")
         if self.worker_store is None:
+            self._check_reachable(host, int(port), info.rank, info.store)
             self.worker_store = dist.TCPStore(
                 host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s)
             )
         if self.on_round is not None:
-            self.on_round(info.rank, info.world_size, self.worker_store)
+            self.on_round(info.rank, info.world_size, self.worker_store, info.store)
         return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port)))
+
+    def _check_reachable(self, host: str, port: int, node_rank: int, round_store: dist.Store) -> None:
+        """Plain TCP connects first: a TCPStore client would print C++ traces until its timeout.
+
+        The reason also goes to the round's store, where node 0's launcher, which waits for this
+        node in torch's agent until the same timeout, reads it (``HangMonitor.peer_unreachable``).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while (why := answers(host, port, min(2.0, deadline - time.monotonic()))) is not None:
+            if time.monotonic() >= deadline:
+                me, waited = f"{socket.gethostname()} at {self.advertise}", f"{why}, for {self.timeout_s:g} s"
+                line = (
+                    f"node {node_rank} ({me}) cannot reach the workers' store at {host}:{port}, the address "
+                    f"node 0 advertised ({waited}); start node 0 with --local-addr set to an address the "
+                    "other nodes reach, or open the port in the firewall"
+                )
+                round_store.set(UNREACHABLE_KEY, line)
+                raise ConfigError(line)
+            time.sleep(0.2)
 
     def is_closed(self) -> bool:
         return self.inner.is_closed()
@@ -193,4 +217,7 @@ def fresh_worker_store(
     else:
         advertise = route_source(parse_rendezvous_endpoint(params.endpoint, default_port=0)[0])
     bind = ip_of(asked) if asked else advertise
-    return FreshWorkerStore(inner, bind, advertise, WORKER_STORE_TIMEOUT_S, on_round)
+    # The nodes other than 0 wait for its store as long as for the rendezvous's own store.
+    config = params.config
+    timeout = float(config.get("read_timeout") or config.get("timeout") or WORKER_STORE_TIMEOUT_S)
+    return FreshWorkerStore(inner, bind, advertise, timeout, on_round)
