@@ -10,7 +10,9 @@ DataLoader's defaults (Run's are torch's: no persistent workers, a prefetch fact
 Each ratio to the hand-written loop is the median over rounds (one block of each loop) of that
 round's ratio, so load that drifts between rounds cancels; the 90% interval says how far that
 median could move were the rounds run again. "step" compares the rounds' median steps (the
-issue's step target); "time" their whole blocks, log and check steps included (throughput).
+issue's step target); "time" their whole blocks, log and check steps included (throughput);
+"cpu" the CPU time of the training thread over whole blocks (DataLoader workers not counted),
+which says what a loop itself costs even on a machine whose load swings its wall times.
 """
 
 from __future__ import annotations
@@ -69,11 +71,18 @@ def _rank(ns_dict: dict, out: str) -> dict:
         loops["run"] = RunLoop(job, dataset, cfg, f"{out}/run", ns.num_workers)
         if ns.num_workers == 0:  # the Trainer fetches samples in the training process only
             loops["trainer"] = TrainerLoop(job, dataset, cfg, env)
-        for _ in range(ns.blocks):
-            for loop in loops.values():
+        cpu: dict[str, list[float]] = {name: [] for name in loops}
+        for round_ in range(ns.blocks):
+            # ABBA order: whichever loop goes first in a round also meets what the one before it
+            # left running (its DataLoader workers refilling), so the order flips every round.
+            order = list(loops.items()) if round_ % 2 == 0 else list(loops.items())[::-1]
+            for name, loop in order:
+                start = time.thread_time()
                 loop.run(ns.block)
+                cpu[name].append(time.thread_time() - start)
         loops["run"].close()
-        return {name: loop.times[ns.block :] for name, loop in loops.items()}  # first block: warm-up
+        # First block: warm-up.
+        return {"times": {name: loop.times[ns.block :] for name, loop in loops.items()}, "cpu": cpu}
     finally:
         ddpkit.destroy()
 
@@ -102,21 +111,34 @@ class TrainerLoop:
 
 def _rounds(ranks: list[dict], name: str, block: int) -> list[list[float]]:
     """Per round, each step's time on the slowest rank: a step takes as long as its slowest rank."""
-    steps = [max(t) for t in zip(*(r[name] for r in ranks), strict=True)]
+    steps = [max(t) for t in zip(*(r["times"][name] for r in ranks), strict=True)]
     return [steps[i : i + block] for i in range(0, len(steps), block)]
 
 
+def _cpu_rounds(ranks: list[dict], name: str) -> list[float]:
+    """Per timed round, the training thread's CPU seconds summed over ranks (workers not counted)."""
+    return [sum(block) for block in zip(*(r["cpu"][name][1:] for r in ranks), strict=True)]
+
+
 def summarize(ranks: list[dict], block: int) -> dict:
-    """Per loop: median step, and per-round ratios to the hand-written loop with 90% intervals."""
-    rounds = {name: _rounds(ranks, name, block) for name in ranks[0]}
+    """Per loop: median step, and per-round ratios to the hand-written loop with 90% intervals.
+
+    ``cpu`` compares the training thread's CPU time: what a loop itself adds, which load from
+    other processes on the machine moves far less than it moves wall time.
+    """
+    rounds = {name: _rounds(ranks, name, block) for name in ranks[0]["times"]}
+    cpu = {name: _cpu_rounds(ranks, name) for name in rounds}
     rows = {}
     for name, blocks in rounds.items():
         row = {"median_ms": 1e3 * statistics.median(t for b in blocks for t in b)}
+        row["cpu_ms_per_step"] = 1e3 * sum(cpu[name]) / len(ranks) / sum(map(len, blocks))
         if name != "hand":
             for kind, of in (("step", statistics.median), ("time", sum)):
                 ratios = [of(a) / of(h) for a, h in zip(blocks, rounds["hand"], strict=True)]
                 row[f"{kind}_ratio"] = statistics.median(ratios)
                 row[f"{kind}_interval90"] = interval90(ratios)
+            ratios = [a / h for a, h in zip(cpu[name], cpu["hand"], strict=True)]
+            row["cpu_ratio"], row["cpu_interval90"] = statistics.median(ratios), interval90(ratios)
         rows[name] = row
     return rows
 
@@ -141,7 +163,7 @@ def main(argv: list[str]) -> int:
     with TemporaryDirectory(prefix="ddpkit-bench-") as out:
         ranks = ddpkit.launch(_rank, ns.nproc, (vars(ns), out))
     rows = summarize(ranks, ns.block)
-    timed = len(ranks[0]["hand"])
+    timed = len(ranks[0]["times"]["hand"])
     print(
         f"# ddpkit bench trainer: {ns.workload}, {ns.nproc} processes, global batch {ns.global_batch}, "
         f"{ns.num_workers} DataLoader workers, {ns.slow_data_ms:g} ms of CPU per sample; "
@@ -150,8 +172,9 @@ def main(argv: list[str]) -> int:
     names = {"hand": "hand-written DDP loop", "run": "ddpkit.Run loop", "trainer": "ddpkit Trainer"}
     for name, row in rows.items():
         line = f"{names[name]:<22} median {row['median_ms']:8.2f} ms/step"
+        line += f", CPU {row['cpu_ms_per_step']:7.2f} ms"
         if name != "hand":
-            for kind in ("step", "time"):
+            for kind in ("step", "time", "cpu"):
                 low, high = row[f"{kind}_interval90"]
                 line += f"   {kind} / hand {row[f'{kind}_ratio']:.3f} [{low:.3f}, {high:.3f}]"
         print(line)

@@ -236,5 +236,6 @@ class ReplicaCheck:
                 first = int((table[bad[0]] != table[0]).nonzero()[0]) // 2
                 raise RuntimeError(
                     f"replicas differ at step {self.step} ({name}): ranks {bad} disagree with rank 0, "
-                    f"first at {names[first]!r}; every rank must load the same checkpoint and run the same code"
+                    f"first at {names[first]!r}; every rank must load the same checkpoint and run the "
+                    "same code"
                 )
