@@ -1,7 +1,8 @@
 """The ``ddpkit`` command: ``train`` and ``run``.
 
 Errors a user can cause print as one line on stderr with exit code 2; a failed worker prints the
-rank and its traceback with exit code 1.
+rank and its traceback with exit code 1; a signal that stops the launcher (SIGTERM, Ctrl-C,
+--preempt-signal) exits with 128 + the signal after one line saying what became of the workers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import check_script, run_elastic, run_parser
 from ddpkit.launch.failures import WorkerFailure
+from ddpkit.launch.stopping import Stopped
 from ddpkit.version import __version__
 
 USAGE = """usage: ddpkit COMMAND [ARGS]
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailure as exc:
         print(f"ddpkit: {exc}", file=sys.stderr)
         return 1
+    except Stopped as exc:  # a signal to the launcher: its one line is printed already
+        return exc.code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr)
         return 130
