@@ -138,3 +138,25 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert "step-00000020 is corrupt" in done.stderr
     again = _model(tmp_path / "whole")
     assert all(torch.equal(reference[k], again[k]) for k in reference)  # steps 16-20 redone exactly
+
+
+def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_path):
+    run = ["--micro-batch", "1", "--steps", "40", "--save-every", "1000"]  # no periodic checkpoint
+    _run(tmp_path / "whole", 2, *run)
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(_cmd(cut, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while _last_step(cut) < 10 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)  # what SLURM or Kubernetes sends the launcher
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "preempted by SIGTERM at step" in out and "resume with --resume auto" in out
+    assert "Traceback" not in err
+    stopped_at = int(out.split("preempted by SIGTERM at step ")[1].split()[0])
+    assert 10 <= stopped_at < 40
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == [f"step-{stopped_at:08d}"]
+    _run(cut, 2, *run, "--resume", "auto")
+    whole, resumed = _model(tmp_path / "whole"), _model(cut)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert _losses(cut) == _losses(tmp_path / "whole")

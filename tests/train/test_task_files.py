@@ -79,7 +79,7 @@ def test_toml_config_is_layered_under_the_flags(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text(
         'task = "toy"\n[data]\nglobal_batch = 48\nmicro_batch = 8\n'
-        "[engine]\nengine = \"native\"\n[train]\nlr = 0.02\n[launch]\nnproc = 3\n"
+        '[engine]\nengine = "native"\n[train]\nlr = 0.02\n[launch]\nnproc = 3\n'
     )
     cfg, ns = parse(["--config", str(toml), "--lr", "0.05"])
     assert (cfg.train.task, cfg.data.global_batch, cfg.data.micro_batch) == ("toy", 48, 8)
@@ -91,7 +91,7 @@ def test_toml_config_is_layered_under_the_flags(tmp_path):
     [
         ("[engine]\nbucket_cap = 4\n", "unknown key 'bucket_cap' in [engine]; known keys there:"),
         ("[trainer]\nlr = 1\n", "unknown key 'trainer'"),
-        ("[train]\nlr = \"fast\"\n", "lr = 'fast' must be float"),
+        ('[train]\nlr = "fast"\n', "lr = 'fast' must be float"),
         ("[launch]\nnprocs = 2\n", "unknown key 'nprocs' in [launch]"),
     ],
 )

@@ -51,7 +51,7 @@ class RunEnd:
             where = "checkpoint written" if self.out is not None else "no out, so no checkpoint"
             print(
                 f"ddpkit: preempted by {signal.Signals(number).name} at step {step} ({where}); "
-                "run the same command again to resume (resume='auto')",
+                "resume with --resume auto (a script's ddpkit.Run: resume='auto', its default)",
                 flush=True,
             )
         raise SystemExit(128 + number)

@@ -172,6 +172,12 @@ class Monitor:
                 logged = self._finish_gather()
         return logged
 
+    def flush(self) -> None:
+        """Write the log line still in flight, when every rank is known to wait for it too (a
+        preemption every rank agreed on); the resumed run continues after that line."""
+        if self._pending is not None:
+            self._finish_gather()
+
     def _start_gather(self, step: int, extra: dict, signal: int) -> None:
         self.phase(step, "log: loss, timings and metrics all_gather")
         window, totals = self.window, self.clock.totals

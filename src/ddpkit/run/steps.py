@@ -130,6 +130,7 @@ class StepCycle:
         if number:
             if self.out is not None and self.saved_step != self.step:
                 self.checkpoint()
+            self.monitor.flush()
             self.on_preempt(number, self.step)
 
     def _pace(self, record: dict) -> None:
