@@ -17,6 +17,7 @@ which says what a loop itself costs even on a machine whose load swings its wall
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -29,25 +30,10 @@ import ddpkit
 from ddpkit.bench.engine_summary import interval90
 from ddpkit.bench.loops import HandLoop, RunLoop, SlowData
 from ddpkit.errors import OneLineParser
-from ddpkit.train import TrainConfig, Trainer
-from ddpkit.train.callbacks import Callback
-from ddpkit.train.workloads import get_workload, with_defaults
-
-
-class StepClock(Callback):
-    """Records the duration of each Trainer step (from the previous step's end, or the block start)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.mark = time.perf_counter()
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        self.mark = time.perf_counter()
-
-    def on_step_end(self, trainer: Trainer, step: int, indices: list[int]) -> None:
-        now = time.perf_counter()
-        self.times.append(now - self.mark)
-        self.mark = now
+from ddpkit.run import Run
+from ddpkit.train import Task, Trainer
+from ddpkit.train.job import layered
+from ddpkit.train.workloads import WORKLOADS, get_workload
 
 
 def _rank(ns_dict: dict, out: str) -> dict:
@@ -60,17 +46,14 @@ def _rank(ns_dict: dict, out: str) -> dict:
     try:
         torch.manual_seed(0)
         steps = ns.blocks * ns.block
-        cfg = with_defaults(
-            TrainConfig(
-                workload=ns.workload, global_batch=ns.global_batch, out=out, steps=steps, log_every=10**9
-            )
-        )
-        job = get_workload(ns.workload).build(cfg)
+        given = {"global_batch": ns.global_batch, "out": out, "steps": steps, "progress": False}
+        job_cfg = layered(ns.workload, WORKLOADS[ns.workload].defaults, given | {"save_every": 0})
+        cfg = _Args(**job_cfg.values())  # the loops read the flat fields (lr, grad_clip, ...)
+        job = get_workload(ns.workload).build(job_cfg)
         dataset = SlowData(job.dataset, ns.slow_data_ms) if ns.slow_data_ms else job.dataset
         loops = {"hand": HandLoop(job, dataset, cfg, env, ns.num_workers)}
         loops["run"] = RunLoop(job, dataset, cfg, f"{out}/run", ns.num_workers)
-        if ns.num_workers == 0:  # the Trainer fetches samples in the training process only
-            loops["trainer"] = TrainerLoop(job, dataset, cfg, env)
+        loops["trainer"] = TrainerLoop(job, dataset, job_cfg, ns.num_workers)
         cpu: dict[str, list[float]] = {name: [] for name in loops}
         for round_ in range(ns.blocks):
             # ABBA order: whichever loop goes first in a round also meets what the one before it
@@ -81,6 +64,7 @@ def _rank(ns_dict: dict, out: str) -> dict:
                 loop.run(ns.block)
                 cpu[name].append(time.thread_time() - start)
         loops["run"].close()
+        loops["trainer"].close()
         # First block: warm-up.
         return {"times": {name: loop.times[ns.block :] for name, loop in loops.items()}, "cpu": cpu}
     finally:
@@ -93,20 +77,28 @@ class _Args:
 
 
 class TrainerLoop:
-    """The built-in Trainer, run a block of steps at a time, with no progress bar or metrics file."""
+    """The built-in Trainer (its own Run, with the Run's defaults), run a block of steps at a time."""
 
-    def __init__(self, job, dataset, cfg, env) -> None:
-        self.clock = StepClock()
-        self.trainer = Trainer(job.model, dataset, job.loss_fn, env, cfg, callbacks=[self.clock])
-        self.trainer.callbacks = [self.clock]
-
-    @property
-    def times(self) -> list[float]:
-        return self.clock.times
+    def __init__(self, job: Task, dataset, cfg, num_workers: int) -> None:
+        cfg = cfg.replace(out=f"{cfg.run.out}/trainer", num_workers=num_workers)
+        task = Task(copy.deepcopy(job.model), dataset, job.loss_fn)
+        self.trainer = Trainer(Run(**cfg.run_options()), task, cfg.train)
+        self.batches = iter(self.trainer.loader)
+        self.times: list[float] = []
 
     def run(self, steps: int) -> None:
-        self.trainer.total_steps = self.trainer.step + steps
-        self.trainer.fit()
+        for _ in range(steps):
+            start = time.perf_counter()
+            try:
+                batch = next(self.batches)
+            except StopIteration:  # the loader moves to the next epoch by itself
+                self.batches = iter(self.trainer.loader)
+                batch = next(self.batches)
+            self.trainer._run_batch(batch)
+            self.times.append(time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.trainer.run.finish()
 
 
 def _rounds(ranks: list[dict], name: str, block: int) -> list[list[float]]:

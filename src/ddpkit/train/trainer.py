@@ -27,9 +27,11 @@ log = logging.getLogger(__name__)
 
 
 def make_optimizer(
-    params: Iterable[nn.Parameter], lr: float, weight_decay: float = 0.1
+    params: Iterable[nn.Parameter] | nn.Module, lr: float, weight_decay: float = 0.1
 ) -> torch.optim.Optimizer:
     """AdamW that decays matrices only: biases and norm gains are not pulled towards zero."""
+    if isinstance(params, nn.Module):
+        params = params.parameters()
     params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
