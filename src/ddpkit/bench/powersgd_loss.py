@@ -1,9 +1,9 @@
 """Does PowerSGD still learn? The bench GPT trained with and without it, side by side.
 
-``python -m ddpkit.bench.powersgd_loss [STEPS] [NPROC]`` trains two copies of the engine bench's
+``python -m ddpkit.bench.powersgd_loss [STEPS] [NPROC] [RANK]`` trains two copies of the engine bench's
 4.8M-parameter GPT on the character corpus (``ddpkit.data.text``), one with ``DataParallel`` and
-one with ``DataParallel(compression="powersgd")`` (rank 1, error feedback, 10 plain warm-up
-steps), on the same batches, and prints the mean loss of the last 20 steps of each and their
+one with ``PowerSGD(matrix_approximation_rank=RANK)`` (default 1; error feedback on, 10 plain
+warm-up steps), on the same batches, and prints the mean loss of the last 20 steps of each and their
 ratio. The loss does not depend on the link, so this runs on loopback.
 """
 
@@ -21,7 +21,7 @@ from ddpkit.bench.engine import VOCAB, EngineBenchConfig
 from ddpkit.data.text import CharTokenizer, load_text
 from ddpkit.dist import destroy, init_distributed
 from ddpkit.launch import launch
-from ddpkit.parallel import DataParallel
+from ddpkit.parallel import DataParallel, PowerSGD
 
 TAIL = 20  # steps averaged at the end
 
@@ -34,7 +34,7 @@ def _batch(
     return windows[:, :-1], windows[:, 1:]
 
 
-def _rank(steps: int) -> dict[str, list[float]]:
+def _rank(steps: int, rank: int) -> dict[str, list[float]]:
     env = init_distributed("gloo")
     try:
         cfg = EngineBenchConfig()
@@ -45,7 +45,7 @@ def _rank(steps: int) -> dict[str, list[float]]:
         base = cfg.gpt()
         models = {
             "native": DataParallel(copy.deepcopy(base)),
-            "powersgd": DataParallel(base, compression="powersgd"),
+            "powersgd": DataParallel(base, compression=PowerSGD(matrix_approximation_rank=rank)),
         }
         optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
         gen = torch.Generator().manual_seed(env.rank)  # each rank its own batches, the same for both
@@ -69,9 +69,10 @@ def main(argv: list[str]) -> int:
     """Print both runs' final losses and their ratio; 0."""
     steps = int(argv[0]) if argv else 300
     nproc = int(argv[1]) if len(argv) > 1 else 2
-    losses = launch(_rank, nproc, (steps,))[0]
+    rank = int(argv[2]) if len(argv) > 2 else 1
+    losses = launch(_rank, nproc, (steps, rank))[0]
     tails = {k: statistics.mean(v[-TAIL:]) for k, v in losses.items()}
-    print(f"# {nproc} processes, {steps} steps, mean loss of the last {TAIL} steps")
+    print(f"# {nproc} processes, {steps} steps, PowerSGD rank {rank}, mean loss of the last {TAIL} steps")
     for name, value in tails.items():
         print(f"{name:<10} first {losses[name][0]:.3f}  last {value:.4f}")
     print(f"powersgd / native: {tails['powersgd'] / tails['native']:.4f}")

@@ -183,9 +183,9 @@ class Monitor:
         window, totals = self.window, self.clock.totals
         spent = [totals[f] - window.timers_at_start[f] for f in FIELDS]
         # (2 + len(FIELDS) + 2,): the loss sum stays on the device, so nothing waits for it here.
-        head = [float(window.samples), *spent, float(bool(self.user)), float(signal)]
-        head = torch.tensor(head, dtype=torch.float64).to(self.env.device)
-        mine = torch.cat([window.loss_sum.detach().double().reshape(1), head])
+        row = [0.0, float(window.samples), *spent, float(bool(self.user)), float(signal)]
+        mine = torch.tensor(row, dtype=torch.float64).to(self.env.device)
+        mine[:1].copy_(window.loss_sum.detach())  # on the device, in float64: no sync, exact
         rows = [torch.empty_like(mine) for _ in range(self.env.world_size)]
         work = dist.all_gather(rows, mine, async_op=True)
         elapsed = time.perf_counter() - window.start
@@ -198,15 +198,16 @@ class Monitor:
         gather, self._pending = self._pending, None
         self.phase(gather.step, "log: loss, timings and metrics all_gather")
         gather.work.wait()
-        table = torch.stack(gather.rows).cpu()  # (world_size, 2 + len(FIELDS) + 2)
+        # One transfer to Python lists: each tensor op on a few numbers costs more than the numbers.
+        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, 2 + len(FIELDS) + 2)
         # Whether any rank logged metrics rode on the tensor gather, so the pickled gather of their
         # names and values (ranks may have logged different ones) runs only when there are some.
         everyone: list[dict | None] = [{}] * self.env.world_size
-        if table[:, -2].max().item() > 0:
+        if max(row[-2] for row in table) > 0:
             mine = {name: (float(total), count) for name, (total, count) in gather.user.items()}
             everyone = [None] * self.env.world_size
             dist.all_gather_object(everyone, mine)
-        loss_sum, samples = table[:, 0].sum().item(), int(table[:, 1].sum().item())
+        loss_sum, samples = sum(row[0] for row in table), int(sum(row[1] for row in table))
         record = {
             "step": gather.step,
             "loss": loss_sum / max(samples, 1),
@@ -216,13 +217,13 @@ class Monitor:
             **_means(everyone),
             # Each rank's seconds in this window: `ddpkit report` sums them over the lines.
             "ranks": [
-                {"rank": r, **{f: round(table[r, 2 + i].item(), 6) for i, f in enumerate(FIELDS)}}
-                for r in range(self.env.world_size)
+                {"rank": r, **{f: round(row[2 + i], 6) for i, f in enumerate(FIELDS)}}
+                for r, row in enumerate(table)
             ],
         }
         if self.env.is_rank0:
             self._report(gather.step, record)
-        return record, int(table[:, -1].max().item())
+        return record, int(max(row[-1] for row in table))
 
     def _report(self, step: int, record: dict) -> None:
         if self.metrics is not None:

@@ -115,13 +115,15 @@ class StepCycle:
             self._pace(record)
         if self.replicas.pending:
             self.replicas.finish()
+        every = self.ckpt_cfg.save_every
+        due = self.save_now or (every > 0 and (self.step % every == 0 or last))
+        save = due and self.saved_step != self.step
         check_every = self.monitor.cfg.check_every
         if check_every and ended and (self.step % check_every == 0 or last):
             self.replicas.start(self.step)
-            if last:  # nothing follows to finish it
+            if last or save:  # nothing follows to finish it; a checkpoint holds checked replicas only
                 self.replicas.finish()
-        every = self.ckpt_cfg.save_every
-        if (self.save_now or (every and (self.step % every == 0 or last))) and self.saved_step != self.step:
+        if save:
             self.checkpoint()
         if not ended or last:
             return
@@ -129,6 +131,8 @@ class StepCycle:
             number = self.preemption.agreed(self.step)
         if number:
             if self.out is not None and self.saved_step != self.step:
+                if self.replicas.pending:
+                    self.replicas.finish()
                 self.checkpoint()
             self.monitor.flush()
             self.on_preempt(number, self.step)
