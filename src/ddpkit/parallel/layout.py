@@ -150,13 +150,16 @@ class LayoutTrial:
         self.passes = 0
         self.current = 0  # index into candidates of the layout built now
         self.seconds: list[list[float]] = [[] for _ in candidates]
+        self.waits: list[list[float]] = [[] for _ in candidates]  # after the last gradient
         self.chosen: int | None = None
         self.slowest: list[float] = []  # the times the decision was taken on
 
-    def pass_done(self, seconds: float | None) -> None:
-        """A synchronized pass ended; ``seconds`` is its time here (None: a joined rank's shadow)."""
+    def pass_done(self, seconds: float | None, wait: float = 0.0) -> None:
+        """A synchronized pass ended: ``seconds`` from its forward's end, ``wait`` of them after its
+        last gradient (None: a joined rank's shadow pass)."""
         if self.chosen is None and self.passes >= 1 and seconds is not None:
             self.seconds[self.current].append(seconds)
+            self.waits[self.current].append(wait)
         self.passes += 1
 
     def due(self) -> bool:
@@ -169,9 +172,10 @@ class LayoutTrial:
         return self.due() and self.passes > len(self.schedule)
 
     def fastest(self) -> list[float]:
-        """This rank's fastest pass per candidate (0.0 where none was measured): a busy machine
-        only adds time, so the fastest pass is the layout's own cost most nearly."""
-        return [min(s) if s else 0.0 for s in self.seconds]
+        """This rank's fastest pass per candidate, then its shortest wait after the last gradient
+        per candidate (0.0 where none was measured): a busy machine only adds time, so the
+        fastest pass is the layout's own cost most nearly."""
+        return [min(s) if s else 0.0 for s in self.seconds + self.waits]
 
     def propose(self, slowest: list[float] | None = None) -> int:
         """Rank 0: the layout for the next pass: the schedule's, or at its end the fastest by
@@ -180,8 +184,12 @@ class LayoutTrial:
             return self.schedule[self.passes - 1]
         assert slowest is not None, "the trial's decision needs every rank's times"
         self.slowest = slowest
-        best = min(range(len(slowest)), key=slowest.__getitem__)
-        return best if slowest[best] < (1 - self.margin) * slowest[0] else 0
+        times, waits = slowest[: len(self.candidates)], slowest[len(self.candidates) :]
+        best = min(range(len(times)), key=times.__getitem__)
+        gain = times[0] - times[best]
+        # No layout can save more than the first one leaves unhidden after backward: a larger
+        # gain is load on the machine, not the layout (1.5: that wait is noisy too).
+        return best if self.margin * times[0] < gain <= 1.5 * waits[0] else 0
 
     def adopt(self, index: int, rank: int) -> None:
         """Build ``index`` from now on; the trial ends when the schedule is done (logged once)."""
@@ -201,7 +209,9 @@ class LayoutTrial:
             mark = " (kept)" if k == self.chosen else ""
             parts.append(f"{layout.name} ({_mib(layout.cap_bytes)} buckets) {took}{mark}")
         how = f"backward + unhidden communication, fastest of {self.rounds} passes on the slowest rank"
-        return ", ".join(parts) + "; " + how
+        waited = self.slowest[len(self.candidates)] if self.slowest else 0.0
+        tail = f"; {self.candidates[0].name} waited {1e3 * waited:.0f} ms after backward"
+        return ", ".join(parts) + "; " + how + tail
 
 
 def _mib(nbytes: int) -> str:

@@ -31,6 +31,7 @@ class Pass:
     next_bucket: int = 0  # buckets are launched strictly in this order
     used_map: tuple[dist.Work, Tensor] | None = None
     armed_at: float = 0.0  # perf_counter() at the end of the forward (the layout trial times from it)
+    ready_at: float = 0.0  # perf_counter() when the last gradient was in its bucket
 
     def queue_end(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the current backward graph is done, once per pass.

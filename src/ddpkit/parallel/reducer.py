@@ -235,6 +235,7 @@ class Reducer:
         if full:
             self._launch_ready(now)
         if now.waiting == 0:
+            now.ready_at = time.perf_counter()
             now.queue_end(self._finish_pass)
 
     def _start_pass(self, now: Pass) -> None:
@@ -280,7 +281,8 @@ class Reducer:
         if self.arrival is not None:
             self.rebuild_pending = True
         if self.trial is not None:
-            self.trial.pass_done(time.perf_counter() - now.armed_at)
+            end = time.perf_counter()
+            self.trial.pass_done(end - now.armed_at, end - (now.ready_at or end))
 
     def _end_recording(self, now: Pass) -> None:
         """static_graph's first pass ends: keep its counts, then fill every bucket at once."""
