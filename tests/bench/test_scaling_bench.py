@@ -13,16 +13,19 @@ from ddpkit.bench import scaling
 from ddpkit.errors import ConfigError
 
 
-def test_step_clock_times_only_the_steps_after_warmup(monkeypatch):
-    ticks = iter([100.0, 105.0, 108.0])  # fit start, end of step 2 (warm-up), end of step 5
+def test_timed_trainer_times_only_the_steps_after_warmup(monkeypatch):
+    # perf_counter at the end of step 1, of step 2 (the warm-up's end), of step 5 (the last)
+    ticks = iter([100.0, 105.0, 108.0])
     monkeypatch.setattr(scaling.time, "perf_counter", lambda: next(ticks))
-    trainer = SimpleNamespace(total_steps=5, env=SimpleNamespace(device=torch.device("cpu")))
-    clock = scaling.StepClock(warmup=2)
-    clock.on_fit_start(trainer)
+    monkeypatch.setattr(scaling.Trainer, "_run_batch", lambda self, batch: None)  # no real step
+    trainer = scaling.TimedTrainer.__new__(scaling.TimedTrainer)
+    trainer.warmup, trainer.total_steps = 2, 5
+    trainer.run = SimpleNamespace(step=0, at_step_end=True, device=torch.device("cpu"))
     for step in range(1, 6):
-        clock.on_step_end(trainer, step, [])
-    samples_per_s, step_s = clock.throughput(global_batch=64)
-    assert math.isclose(step_s, 1.0) and math.isclose(samples_per_s, 64.0)
+        trainer.run.step = step
+        trainer._run_batch(None)
+    samples_per_s, step_s = trainer.throughput(global_batch=64)
+    assert math.isclose(step_s, 1.0) and math.isclose(samples_per_s, 64.0)  # 3 steps in 3 s
 
 
 def test_efficiency_is_speedup_over_added_processes_per_engine():
@@ -43,13 +46,13 @@ def test_strong_scaling_fixes_the_global_batch_and_weak_the_per_process_batch():
     assert [strong.batch_at(n) for n in (1, 2, 4)] == [64, 64, 64]
     weak = scaling.ScalingConfig(nprocs=(2, 4), global_batch=64, scaling="weak")
     assert [weak.batch_at(n) for n in (2, 4)] == [64, 128]
-    assert strong.train_config(2, "out").log_every == strong.steps  # no logging inside the timed steps
+    assert strong.train_config(2, "out").values()["log_every"] == strong.steps  # no logging while timed
 
 
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        ({"nprocs": (1, 3), "global_batch": 64}, "--global-batch 64"),
+        ({"nprocs": (1, 3), "global_batch": 64}, "global_batch=64"),
         ({"nprocs": (2, 1)}, "--nproc"),
         ({"steps": 10, "warmup": 10}, "--warmup 10"),
         ({"scaling": "linear"}, "'linear'"),
