@@ -21,7 +21,9 @@ class Payload:
         return (print, ("this ran at load",))
 
 
-def test_auto_resume_skips_a_checkpoint_weights_only_refuses(tmp_path, caplog):
+def test_auto_resume_skips_a_checkpoint_weights_only_refuses(tmp_path, caplog, monkeypatch):
+    # A Run earlier in this process (setup_logging) stops ddpkit's records at its own handler.
+    monkeypatch.setattr(logging.getLogger("ddpkit"), "propagate", True)
     good = save_checkpoint(tmp_path, 1, {"w": torch.ones(2)})
     bad = save_checkpoint(tmp_path, 2, {"w": torch.ones(2)})
     torch.save({"w": Payload()}, bad / STATE)

@@ -31,8 +31,9 @@ def test_every_seed_program_has_an_example():
     assert EXPECTED <= {path.stem for path in EXAMPLES}
 
 
-# tests/run runs these to the end (their self-checks included), killed and resumed.
-RUN_ELSEWHERE = {"own_loop", "hf_style", "gan"}
+# tests/run runs these to the end (their self-checks included), killed and resumed; task_mlp is
+# a task file for `ddpkit train`, run by tests/train/test_task_files.py.
+RUN_ELSEWHERE = {"own_loop", "hf_style", "gan", "task_mlp"}
 
 
 @pytest.mark.parametrize(
