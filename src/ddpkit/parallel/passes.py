@@ -3,6 +3,7 @@ tells static_graph's first pass where the whole backward ends."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,3 +67,20 @@ class Sink(torch.autograd.Function):
     def backward(ctx, *grads: Tensor) -> tuple:
         ctx.end()
         return (None, *grads)
+
+
+def grad_hooks(reducer, params: list[Tensor]) -> list:
+    """One post-accumulate-grad hook per parameter, calling ``reducer.on_grad_ready(index)``. The
+    hooks live on the user's parameters, so they hold the reducer weakly: a dropped DataParallel
+    is not kept alive by them."""
+    me = weakref.ref(reducer)
+    return [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(params)]
+
+
+def _grad_hook(reducer: weakref.ref, index: int):
+    def hook(param: Tensor) -> None:
+        live = reducer()
+        if live is not None:
+            live.on_grad_ready(index)
+
+    return hook

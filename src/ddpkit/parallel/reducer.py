@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -47,7 +46,7 @@ from ddpkit.parallel.compression import CommHook
 from ddpkit.parallel.errors import ready_too_often, unfinished_pass
 from ddpkit.parallel.graph import reachable_params
 from ddpkit.parallel.layout import broadcast_plan, plan_layout, rebuild_safe
-from ddpkit.parallel.passes import Pass, Sink, all_reduce_used
+from ddpkit.parallel.passes import Pass, Sink, all_reduce_used, grad_hooks
 
 
 class Reducer:
@@ -102,10 +101,7 @@ class Reducer:
         # Autograd runs each device's part of backward on its own thread, so a replica spanning
         # two GPUs calls the hooks concurrently; the ready counts and launch order need a lock.
         self._lock = threading.Lock()
-        me = weakref.ref(self)  # the hooks live on the user's parameters; do not keep us alive
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self.params)
-        ]
+        self._hooks = grad_hooks(self, self.params)
 
     def set_hook(self, hook: CommHook) -> None:
         """Reduce buckets with ``hook`` from the next pass on."""
@@ -301,12 +297,3 @@ class Reducer:
         for index in (i for i, count in enumerate(now.fired) if count == 0):
             self.slots[index][0].add_unused(self.slots[index][1], self.copy_scale)
         now.waiting = 0
-
-
-def _grad_hook(reducer: weakref.ref, index: int):
-    def hook(param: Tensor) -> None:
-        live = reducer()
-        if live is not None:
-            live.on_grad_ready(index)
-
-    return hook
