@@ -118,3 +118,13 @@ def test_bad_values_are_one_line_in_the_commands_words(tmp_path, capsys, args, m
     assert main(["train", *args, *out]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_resume_from_a_checkpoint_of_another_model_is_one_line(tmp_path):
+    toy = _train("toy", "--steps", "2", "--global-batch", "8", "--out", str(tmp_path / "toy"))
+    assert toy.returncode == 0, toy.stderr[-2000:]
+    checkpoint = tmp_path / "toy" / "checkpoints" / "step-00000002"
+    other = _train(EXAMPLE, "--global-batch", "8", "--resume", str(checkpoint), "--out", str(tmp_path / "o"))
+    assert other.returncode == 2
+    assert f"cannot resume 'model' from {checkpoint}: it holds another model" in other.stderr
+    assert "Traceback" not in other.stderr

@@ -41,6 +41,7 @@ from ddpkit.run.preempt import Preemption
 from ddpkit.run.setup import (
     check_same_model,
     kind_of,
+    load_weights,
     loader_parts,
     make_sampler,
     seed_everything,
@@ -155,7 +156,7 @@ class Run(RunEnd):
         name = self._new_name(name, "model")
         check_same_model(model, self.env)
         if self._saved is not None and name in self._saved["state"]:
-            model.load_state_dict(self._saved["state"][name])
+            load_weights(model, self._saved["state"][name], name, self._resume_path)
         wrapped = wrap(model, self.env, self.engine_cfg)
         self.monitor.watch(model)
         self.models[name], self.objects[name] = wrapped, unwrap(wrapped)

@@ -140,6 +140,22 @@ def check_split(global_batch: int, world_size: int) -> None:
     )
 
 
+def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -> None:
+    """The checkpoint's weights into ``model``, or one line saying it holds another model."""
+    mine, theirs = model.state_dict(), weights
+    missing = [k for k in mine if k not in theirs]
+    unexpected = [k for k in theirs if k not in mine]
+    shapes = [k for k in mine if k in theirs and mine[k].shape != theirs[k].shape]
+    if missing or unexpected or shapes:
+        first = (missing or unexpected or shapes)[0]
+        raise ConfigError(
+            f"cannot resume {name!r} from {path}: it holds another model ({len(missing)} of this model's "
+            f"tensors missing, {len(unexpected)} unknown, {len(shapes)} of another shape; first {first!r}); "
+            "resume from a checkpoint of this model, or start a new out"
+        )
+    model.load_state_dict(weights)
+
+
 def kind_of(obj: Any) -> str:
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer"
