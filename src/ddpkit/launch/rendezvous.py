@@ -40,7 +40,13 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ddpkit.errors import ConfigError
 from ddpkit.launch.ports import answers, is_local_address, wait_reachable
 from ddpkit.launch.rollcall import check_same_nnodes, linger, nnodes_text, roll_call
-from ddpkit.launch.stores import bound_store, fresh_worker_store, rendezvous_bind, route_source
+from ddpkit.launch.stores import (
+    WrappedHandler,
+    bound_store,
+    fresh_worker_store,
+    rendezvous_bind,
+    route_source,
+)
 
 # torch's rendezvous name -> ddpkit's checked variant of it.
 CHECKED = {"static": "ddpkit-static", "c10d": "ddpkit-c10d"}
@@ -168,7 +174,7 @@ def _create_static(params: RendezvousParameters) -> RendezvousHandler:
     return fresh_worker_store(inner, params, node0_addr=inner.addr)
 
 
-class CheckedC10dRendezvous(RendezvousHandler):
+class CheckedC10dRendezvous(WrappedHandler):
     """torch's c10d handler under ddpkit's name, whose join timeout is a one-line error.
 
     Args:
@@ -188,10 +194,6 @@ class CheckedC10dRendezvous(RendezvousHandler):
     def get_backend(self) -> str:
         return CHECKED["c10d"]  # torch's registry checks that a handler reports the name it was made for
 
-    @property
-    def use_agent_store(self) -> bool:
-        return self.inner.use_agent_store
-
     def next_rendezvous(self) -> RendezvousInfo:
         try:
             return self.inner.next_rendezvous()
@@ -204,21 +206,6 @@ class CheckedC10dRendezvous(RendezvousHandler):
                 + "; start the other nodes with the same --rdzv-endpoint, --rdzv-id and --nnodes, "
                 "or wait longer with --rdzv-conf join_timeout=SECONDS"
             ) from None
-
-    def is_closed(self) -> bool:
-        return self.inner.is_closed()
-
-    def set_closed(self) -> None:
-        self.inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
-
-    def get_run_id(self) -> str:
-        return self.inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        return self.inner.shutdown()
 
 
 def _open_c10d_store(params: RendezvousParameters, host: str, port: int) -> dist.TCPStore:

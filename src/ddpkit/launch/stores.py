@@ -99,7 +99,38 @@ def bound_store(bind: str, port: int, timeout_s: float, *, host: str | None = No
     )  # fmt: skip
 
 
-class FreshWorkerStore(RendezvousHandler):
+class WrappedHandler(RendezvousHandler):
+    """A rendezvous handler that passes everything to ``self.inner``; subclasses change a part."""
+
+    inner: RendezvousHandler
+
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        return self.inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
+
+
+class FreshWorkerStore(WrappedHandler):
     """Any rendezvous handler, with a new store for the workers of every round it completes.
 
     Node rank 0's agent opens the store on ``bind`` and posts ``advertise:PORT`` in the round's
@@ -127,9 +158,6 @@ class FreshWorkerStore(RendezvousHandler):
         self.inner, self.bind, self.advertise, self.timeout_s = inner, bind, advertise, timeout_s
         self.on_round = on_round
         self.worker_store: dist.Store | None = None  # the current round's, as this node sees it
-
-    def get_backend(self) -> str:
-        return self.inner.get_backend()
 
     @property
     def use_agent_store(self) -> bool:
@@ -170,22 +198,8 @@ class FreshWorkerStore(RendezvousHandler):
                 raise ConfigError(line)
             time.sleep(0.2)
 
-    def is_closed(self) -> bool:
-        return self.inner.is_closed()
-
-    def set_closed(self) -> None:
-        self.inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
-
-    def get_run_id(self) -> str:
-        return self.inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        # The worker store stays open: the launcher reads what the last round left in it (a
-        # hang report's reporter) after the agent has given up.
-        return self.inner.shutdown()
+    # shutdown() leaves the worker store open: the launcher reads what the last round left in
+    # it (a hang report's reporter) after the agent has given up.
 
 
 def rendezvous_bind(params: RendezvousParameters, host: str) -> str:
