@@ -115,6 +115,14 @@ def test_master_port_in_use(tmp_path, capsys):
     assert f"--master-port {port} is already in use" in capsys.readouterr().err
 
 
+def test_help_exits_0(capsys):
+    assert main(["bench", "--help"]) == 0 and "engine" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    assert "``" not in capsys.readouterr().out  # the docstrings' reST quotes stay out of the help
+
+
 def test_real_process_exit_code_and_no_traceback():
     done = _train("--nproc", "0", timeout=60)
     assert done.returncode == 2
