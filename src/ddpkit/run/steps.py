@@ -134,7 +134,7 @@ class StepCycle:
                 if self.replicas.pending:
                     self.replicas.finish()
                 self.checkpoint()
-            self.monitor.flush()
+            self.monitor.flush()  # written already when the step was checkpointed just now
             self.on_preempt(number, self.step)
 
     def _pace(self, record: dict) -> None:
@@ -161,6 +161,8 @@ class StepCycle:
         if self.out is None:
             raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
         self.save_now, self.saved_step = False, self.step
+        # The step's log line first: a run killed after this checkpoint resumes after that line.
+        self.monitor.flush()
         self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
         path = state.save(
             self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg.keep_last
