@@ -35,7 +35,7 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind, optional = _base(hints[f.name])
-            shown = CLI_DEFAULTS.get(f.name, f.default)
+            shown = "runs/TASK" if f.name == "out" else CLI_DEFAULTS.get(f.name, f.default)
             default = "" if shown is MISSING else f" (default: {shown})"
             help_text = docs.get(f.name, "") + default
             if kind is bool:
