@@ -6,6 +6,7 @@ import atexit
 import gc
 import logging
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -190,5 +191,33 @@ def release_process_groups() -> None:
     abort the process ("terminate called without an active exception", SIGABRT) after a run that
     finished well. ``init_distributed`` registers this with atexit, which runs while the
     interpreter is still alive, so every script, launcher child and worker gets it.
+
+    A group can also outlive ``destroy_process_group`` where nothing in Python can free it:
+    ``torch.profiler`` keeps references to every group that existed while it ran (torch 2.13). A
+    gloo worker thread of such a group drops the last collective's tensors a moment after the
+    collective completes, and that drop takes the GIL; once the interpreter is shutting down, the
+    thread is made to exit there, which aborts the process the same way. While such threads
+    exist, the GIL is released for a moment, so a drop still pending happens now.
     """
     gc.collect()
+    if _gloo_worker_threads():
+        time.sleep(GLOO_DRAIN_S)
+
+
+GLOO_DRAIN_S = 0.1  # many times a drop's microseconds, also for a thread just descheduled
+
+
+def _gloo_worker_threads() -> int:
+    """The live gloo worker threads of this process (torch names them pt_gloo_runloop); 0 off Linux."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="ascii") as f:
+                count += f.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
