@@ -110,9 +110,10 @@ class Dicts(Dataset):
 
 
 def test_a_model_that_returns_its_loss_from_dict_batches_with_workers_trains_the_same(tmp_path):
-    plain = run_ranks(fit, 2, str(tmp_path / "a"), 4)[0]
+    # 8 steps of 5 an epoch: the workers persist into the second epoch.
+    plain = run_ranks(fit, 2, str(tmp_path / "a"), 8)[0]
     task = {"model": ReturnsLoss, "dataset": Dicts(_data(60, 1)), "loss_fn": None, "eval_dataset": None}
-    dicts = run_ranks(fit, 2, str(tmp_path / "b"), 4, {"num_workers": 2}, task)[0]
+    dicts = run_ranks(fit, 2, str(tmp_path / "b"), 8, {"num_workers": 2}, task)[0]
     assert [r["loss"] for r in dicts[0]] == pytest.approx([r["loss"] for r in plain[0]], rel=1e-6)
     for name, value in plain[1].items():
         torch.testing.assert_close(dicts[1][f"net.{name}"], value, rtol=1e-6, atol=1e-7)

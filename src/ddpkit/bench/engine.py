@@ -8,6 +8,8 @@ drifts between rounds on a shared machine cancels out. Engines:
   none          every rank trains its own copy without communication: the upper bound
   torch         torch.nn.parallel.DistributedDataParallel
   native        ddpkit.DataParallel; native+bf16, native+fp16, native+powersgd compress
+  native+powersgd:R[:S]  PowerSGD at matrix_approximation_rank R (and S plain steps first);
+                native+powersgd is rank 1 after 10 plain steps (torch's rank)
   native@1mib   native with torch DDP's bucket layout (a 1 MiB first bucket, overlapping
                 backward), instead of the CPU default of one bucket
   native@NMB    native with buckets of N MiB each (``native@2mb``), first and last included;
@@ -45,7 +47,8 @@ from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch import launch
 from ddpkit.launch.elastic import resolve_nproc
 from ddpkit.models import GPT, GPTConfig
-from ddpkit.parallel import DataParallel, PowerSGD
+from ddpkit.parallel import DataParallel
+from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.layout import TRIAL_PASSES
 
 ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd", "native@1mib")
@@ -55,6 +58,7 @@ VOCAB = 128
 _FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head", "threads")
 _HELP = {"threads": "intra-op threads per process; default 0: cores // nproc, as ddpkit sets them"}
 _CAP = re.compile(r"native@([0-9.]+)mb")
+_POWERSGD = re.compile(r"native\+(powersgd(:[0-9]+){1,2})")  # native+powersgd:RANK[:START_ITER]
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
@@ -87,12 +91,17 @@ class EngineBenchConfig:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        unknown = [e for e in self.engines if e not in ENGINES and not _CAP.fullmatch(e)]
+        patterns = (_CAP, _POWERSGD)
+        unknown = [e for e in self.engines if e not in ENGINES and not any(p.fullmatch(e) for p in patterns)]
         if unknown or not self.engines:
             raise ConfigError(
                 f"--engines {','.join(self.engines)!r} has unknown names {unknown}; "
-                f"choose from {', '.join(ENGINES)}, or native@NMB for buckets of N MiB"
+                f"choose from {', '.join(ENGINES)}, native@NMB for buckets of N MiB, "
+                "or native+powersgd:RANK[:START_ITER]"
             )
+        for name in self.engines:
+            if _POWERSGD.fullmatch(name):
+                parse_powersgd(name.partition("+")[2])  # rank 0 or start_iter 1: its one-line error
         for name in ("n_layer", "n_embd", "n_head", "seq", "batch", "blocks", "steps_per_block"):
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
@@ -146,7 +155,9 @@ def warmup_steps(cfg: EngineBenchConfig, name: str) -> int:
     """Untimed steps before ``name`` is timed: on top, the native engine's layout trial (where it
     picks its layout) and PowerSGD's plain all-reduce steps."""
     trial = TRIAL_PASSES if name.startswith("native") and "@" not in name else 0
-    return cfg.warmup + max(trial, PowerSGD().start_iter if name == "native+powersgd" else 0)
+    compression = name.partition("+")[2]
+    plain = parse_powersgd(compression).start_iter if compression.startswith("powersgd") else 0
+    return cfg.warmup + max(trial, plain)
 
 
 def _run_block(name, model, optimizer, x, y, steps: int, rank: int) -> list[float]:

@@ -1,10 +1,13 @@
 """Does PowerSGD still learn? The bench GPT trained with and without it, side by side.
 
-``python -m ddpkit.bench.powersgd_loss [STEPS] [NPROC] [RANK]`` trains two copies of the engine bench's
-4.8M-parameter GPT on the character corpus (``ddpkit.data.text``), one with ``DataParallel`` and
-one with ``PowerSGD(matrix_approximation_rank=RANK)`` (default 1; error feedback on, 10 plain
-warm-up steps), on the same batches, and prints the mean loss of the last 20 steps of each and their
-ratio. The loss does not depend on the link, so this runs on loopback.
+``python -m ddpkit.bench.powersgd_loss [STEPS] [NPROC] [SETTING ...]`` trains copies of the engine
+bench's 4.8M-parameter GPT on the character corpus (``ddpkit.data.text``): one with plain
+``DataParallel`` and one per SETTING with PowerSGD (error feedback and warm start on), all on the
+same batches. A SETTING is ``RANK`` or ``RANK:START_ITER``, PowerSGD's ``matrix_approximation_rank``
+and its plain all-reduce steps (default 10), as in ``compression="powersgd:RANK:START_ITER"``;
+the default is ``1``, torch's rank. It prints the mean loss of the last 20 steps of each run, its
+ratio to the uncompressed one and the seconds its steps took. The loss does not depend on the
+link, so this runs on loopback; the seconds are loopback's, not a link's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import copy
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +25,8 @@ from ddpkit.bench.engine import VOCAB, EngineBenchConfig
 from ddpkit.data.text import CharTokenizer, load_text
 from ddpkit.dist import destroy, init_distributed
 from ddpkit.launch import launch
-from ddpkit.parallel import DataParallel, PowerSGD
+from ddpkit.parallel import DataParallel
+from ddpkit.parallel.compression import parse_powersgd
 
 TAIL = 20  # steps averaged at the end
 
@@ -34,7 +39,7 @@ def _batch(
     return windows[:, :-1], windows[:, 1:]
 
 
-def _rank(steps: int, rank: int) -> dict[str, list[float]]:
+def _rank(steps: int, settings: tuple[str, ...]) -> dict[str, dict[str, list[float] | float]]:
     env = init_distributed("gloo")
     try:
         cfg = EngineBenchConfig()
@@ -43,39 +48,44 @@ def _rank(steps: int, rank: int) -> dict[str, list[float]]:
         assert int(data.max()) < VOCAB, f"the corpus has {int(data.max()) + 1} symbols, the GPT {VOCAB}"
         torch.manual_seed(0)
         base = cfg.gpt()
-        models = {
-            "native": DataParallel(copy.deepcopy(base)),
-            "powersgd": DataParallel(base, compression=PowerSGD(matrix_approximation_rank=rank)),
-        }
+        models = {"native": DataParallel(copy.deepcopy(base))}
+        for setting in settings:
+            hook = parse_powersgd(f"powersgd:{setting}")
+            models[f"powersgd:{setting}"] = DataParallel(copy.deepcopy(base), compression=hook)
         optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
-        gen = torch.Generator().manual_seed(env.rank)  # each rank its own batches, the same for both
-        losses: dict[str, list[float]] = {k: [] for k in models}
+        gen = torch.Generator().manual_seed(env.rank)  # each rank its own batches, the same for all
+        runs = {k: {"losses": [], "seconds": 0.0} for k in models}
         for _ in range(steps):
             x, y = _batch(data, cfg, gen)
             for name, model in models.items():
+                start = time.perf_counter()
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # (B*T, V) vs (B*T,)
                 optims[name].zero_grad(set_to_none=True)
                 loss.backward()
                 optims[name].step()
+                runs[name]["seconds"] += time.perf_counter() - start
                 mean = loss.detach().clone()
                 dist.all_reduce(mean)  # the world's mean loss
-                losses[name].append(mean.item() / env.world_size)
-        return losses
+                runs[name]["losses"].append(mean.item() / env.world_size)
+        return runs
     finally:
         destroy()
 
 
 def main(argv: list[str]) -> int:
-    """Print both runs' final losses and their ratio; 0."""
+    """Print each run's final loss, its ratio to the uncompressed run and its seconds; 0."""
     steps = int(argv[0]) if argv else 300
     nproc = int(argv[1]) if len(argv) > 1 else 2
-    rank = int(argv[2]) if len(argv) > 2 else 1
-    losses = launch(_rank, nproc, (steps, rank))[0]
-    tails = {k: statistics.mean(v[-TAIL:]) for k, v in losses.items()}
-    print(f"# {nproc} processes, {steps} steps, PowerSGD rank {rank}, mean loss of the last {TAIL} steps")
+    settings = tuple(argv[2:]) or ("1",)
+    for setting in settings:
+        parse_powersgd(f"powersgd:{setting}")  # a bad setting fails here, before any process starts
+    runs = launch(_rank, nproc, (steps, settings))[0]
+    tails = {k: statistics.mean(v["losses"][-TAIL:]) for k, v in runs.items()}
+    print(f"# {nproc} processes, {steps} steps, mean loss of the last {TAIL} steps, AdamW lr 1e-3")
+    print(f"{'run':<16} {'first':>6} {'last':>7} {'/ native':>9} {'seconds':>8}")
     for name, value in tails.items():
-        print(f"{name:<10} first {losses[name][0]:.3f}  last {value:.4f}")
-    print(f"powersgd / native: {tails['powersgd'] / tails['native']:.4f}")
+        first, seconds = runs[name]["losses"][0], runs[name]["seconds"]
+        print(f"{name:<16} {first:>6.3f} {value:>7.4f} {value / tails['native']:>9.4f} {seconds:>8.0f}")
     return 0
 
 

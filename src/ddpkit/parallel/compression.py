@@ -93,7 +93,27 @@ class CastHook:
         return _CastBack(work, low, bucket.buffer)
 
 
-COMPRESSIONS = ("bf16", "fp16", "powersgd")
+COMPRESSIONS = ("bf16", "fp16", "powersgd")  # and powersgd:RANK[:START_ITER]
+
+
+def parse_powersgd(spec: str) -> PowerSGD:
+    """``"powersgd"``, ``"powersgd:RANK"`` or ``"powersgd:RANK:START_ITER"`` as a PowerSGD hook.
+
+    Args:
+        spec: the string; RANK is ``matrix_approximation_rank`` (default 1, torch's), START_ITER
+            the plain all-reduce steps before compressing (default 10, torch's 1000 is for long runs).
+    """
+    name, *numbers = spec.split(":")
+    if name != "powersgd" or len(numbers) > 2 or not all(n.isascii() and n.isdigit() for n in numbers):
+        raise ConfigError(
+            f"bad PowerSGD compression {spec!r}; use powersgd, powersgd:RANK or "
+            "powersgd:RANK:START_ITER with whole numbers, for example powersgd:4 or powersgd:4:50"
+        )
+    fields = ("matrix_approximation_rank", "start_iter")
+    try:
+        return PowerSGD(**{field: int(n) for field, n in zip(fields, numbers, strict=False)})
+    except ConfigError as err:  # rank 0 or start_iter 1: say which string held it
+        raise ConfigError(f"compression {spec!r}: {err}") from None
 
 
 def make_hook(compression: str | CommHook | None) -> CommHook:
@@ -101,8 +121,9 @@ def make_hook(compression: str | CommHook | None) -> CommHook:
 
     Args:
         compression: None (full precision), ``"bf16"``, ``"fp16"``, ``"powersgd"``
-            (``PowerSGD()`` with its defaults), or any hook callable, such as
-            ``PowerSGD(matrix_approximation_rank=4)``.
+            (``PowerSGD()`` with its defaults: rank 1, as torch's), ``"powersgd:RANK"`` or
+            ``"powersgd:RANK:START_ITER"`` (``"powersgd:4"`` is
+            ``PowerSGD(matrix_approximation_rank=4)``), or any hook callable.
     """
     if compression is None:
         return PrescaledAllReduce()
@@ -112,9 +133,9 @@ def make_hook(compression: str | CommHook | None) -> CommHook:
         return CastHook(torch.bfloat16)
     if compression == "fp16":
         return CastHook(torch.float16)
-    if compression == "powersgd":
-        return PowerSGD()
+    if isinstance(compression, str) and compression.startswith("powersgd"):
+        return parse_powersgd(compression)
     raise ConfigError(
         f"unknown compression {compression!r}; use None, one of {', '.join(COMPRESSIONS)}, "
-        "or a hook such as ddpkit.parallel.PowerSGD(matrix_approximation_rank=2)"
+        "powersgd:RANK[:START_ITER], or a hook such as ddpkit.parallel.PowerSGD(matrix_approximation_rank=2)"
     )

@@ -22,7 +22,8 @@ class TrainConfig:
         warmup_steps: steps of linear warmup in the default schedule, before cosine decay to lr / 10.
         weight_decay: the default AdamW's weight decay on matrices (biases and norms get none).
         eval_every: evaluate on the held-out split every this many steps and at the end; 0 disables.
-        num_workers: DataLoader worker processes per rank that load and collate the batches.
+        num_workers: DataLoader worker processes per rank that load and collate the batches;
+            they persist across epochs.
     """
 
     task: str = "gpt"

@@ -55,6 +55,8 @@ class Trainer:
         self.run, self.task, self.cfg = run, task, cfg
         self.model = run.setup(task.model)
         extra = {"collate_fn": task.collate_fn} if task.collate_fn is not None else {}
+        if cfg.num_workers > 0:  # workers live across epochs instead of starting again at each
+            extra["persistent_workers"] = True
         self.loader = run.loader(task.dataset, num_workers=cfg.num_workers, **extra)
         self.total_steps = run.cfg.steps or (cfg.epochs or 1) * self.loader.steps_per_epoch
         if task.optimizer is not None:
