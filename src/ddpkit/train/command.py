@@ -9,6 +9,7 @@ elastic agent.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import shutil
@@ -175,10 +176,25 @@ def cmd_train(argv: list[str]) -> int:
         prepare_out(cfg, ns.overwrite)
         write_config(cfg)
     torch_ns.training_script_args = [str(out / "config.json")]
+    quiet = _QuietUserError()
+    TORCH_PROCS_LOG.addFilter(quiet)
     try:
         run_elastic(torch_ns)
     except WorkerFailure as exc:
         if exc.exitcode == USER_ERROR:
             return 2  # the worker printed the one-line error already
         raise
+    finally:
+        TORCH_PROCS_LOG.removeFilter(quiet)
     return 0
+
+
+TORCH_PROCS_LOG = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+
+
+class _QuietUserError(logging.Filter):
+    """Drops torch's "failed (exitcode: 2) ..." line: the worker said what was wrong in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = isinstance(record.msg, str) and record.msg.startswith("failed (exitcode")
+        return not (failed and record.args and record.args[0] == USER_ERROR)
