@@ -1,0 +1,35 @@
+"""examples/own_loop.py with DataLoader workers under `ddpkit run`: a killed job and a killed rank
+(under --max-restarts) both resume bit for bit; the rank's workers die with it.
+
+Apart from tests/run/test_run_resume.py so that the suite's two workers can share the load.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+from test_run_resume import SLOW, _cmd, _kill_job_at, _model, _ranks, _run, _same, _wait_for_step
+
+
+def test_with_dataloader_workers_a_killed_job_and_a_killed_rank_both_resume_bit_identical(tmp_path):
+    run = [*SLOW, "--num-workers", "2"]
+    _run(tmp_path / "whole", 2, *run)
+    _kill_job_at(tmp_path / "cut", 25, *run)
+    assert "resumed from" in _run(tmp_path / "cut", 2, *run).stdout
+    assert _same(_model(tmp_path / "whole"), _model(tmp_path / "cut")), "resumed model differs"
+
+    out = tmp_path / "restarted"
+    proc = subprocess.Popen(
+        _cmd(out, 2, *run, launch=("--max-restarts", "1")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_step(proc, out, 15)
+    os.kill(_ranks(proc.pid)[0], signal.SIGKILL)  # its DataLoader workers must die with it
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert "resumed from" in stdout
+    assert _same(_model(tmp_path / "whole"), _model(out)), "the restarted run's model differs"
