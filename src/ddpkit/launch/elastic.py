@@ -28,6 +28,7 @@ from ddpkit.launch.stopping import (
     GRACE_S,
     PREEMPT_HELP,
     StopOnSignal,
+    failure_grace,
     parse_signal,
     split_signals,
 )
@@ -275,7 +276,7 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
         with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
             stop = StopOnSignal(signals, float(grace))
             try:
-                with stop:
+                with stop, failure_grace(grace):
                     if watched:
                         monitor.start()
                     try:

@@ -17,19 +17,26 @@ in the launcher's main thread:
 
 The workers' exit statuses are read with ``waitid(WNOWAIT)``, which leaves them for the agent to
 reap, so the agent sees every exit as it would have.
+
+When a worker fails, the agent stops the others itself, with SIGTERM and a fixed 30 s before
+SIGKILL (whatever ``--shutdown-timeout`` says); ``failure_grace`` makes that wait the grace period
+too, so a rank frozen in a hang does not hold the job's end for 30 s when a shorter one was asked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 
 from ddpkit.diagnostics.exit_codes import exit_code_for_signal
 from ddpkit.errors import ConfigError
@@ -47,6 +54,25 @@ PREEMPT_HELP = (
 )
 KILL_WAIT_S = 5.0  # a SIGKILLed process in the kernel (D state) may take a moment to end
 AGENT_LOG = logging.getLogger("torch.distributed.elastic.agent.server.api")
+
+
+@contextlib.contextmanager
+def failure_grace(grace_s: float) -> Iterator[None]:
+    """While the agent runs: the workers left after a failure get ``grace_s`` to exit, not 30 s.
+
+    torch's ``PContext.close(death_sig=None, timeout=30)`` is called without a timeout on that
+    path; its default is set here, and put back after. A torch whose ``close`` has other
+    arguments is left alone.
+    """
+    defaults = PContext.close.__defaults__
+    if defaults is None or len(defaults) != 2 or not isinstance(defaults[1], int):
+        yield
+        return
+    PContext.close.__defaults__ = (defaults[0], max(0, math.ceil(grace_s)))
+    try:
+        yield
+    finally:
+        PContext.close.__defaults__ = defaults
 
 
 class Stopped(SystemExit):
