@@ -247,7 +247,8 @@ def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="ddpkit bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", default="2", help="processes (default 2)")
     names = ", ".join(ENGINES)
-    p.add_argument("--engines", help=f"comma-separated, from {names}, native@NMB (default {DEFAULT_ENGINES})")
+    patterns = "native@NMB, native+powersgd:RANK[:START_ITER]"
+    p.add_argument("--engines", help=f"comma-separated, from {names}, {patterns} (default {DEFAULT_ENGINES})")
     for name in _FLAGS:
         default = getattr(EngineBenchConfig(), name)
         text = _HELP.get(name, f"default {default}")
