@@ -53,7 +53,7 @@ def test_trial_keeps_the_first_layout_unless_another_beats_it_by_the_margin() ->
 
 def test_small_models_and_small_caps_have_no_trial() -> None:
     assert trial_for(list(nn.Linear(64, 64).parameters()), 25 * 2**20) is None
-    big = list(nn.Linear(1024, 2048).parameters())  # 8 MiB and a bias: buckets of an eighth
+    big = list(nn.Linear(1024, 4096).parameters())  # 16 MiB and a bias: buckets of a sixteenth
     assert trial_for(big, 2**20) is None  # a 1 MiB cap: one bucket is already the split layout
     trial = trial_for(big, 25 * 2**20)
     assert trial is not None and [c.cap_bytes for c in trial.candidates] == [25 * 2**20, 2**20 + 1024]

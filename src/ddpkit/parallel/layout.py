@@ -24,11 +24,12 @@ from ddpkit.parallel.powersgd import PowerSGD
 
 log = logging.getLogger("ddpkit.parallel")
 
-# Split layout: about this many buckets, each between these sizes. Eight 2 MiB buckets of the
-# 4.8M-parameter GPT start its all-reduce after an eighth of backward (``ddpkit bench engine
-# --link 300mbit --engines native,native@2mb,native@4mb``: 0.73 and 0.71 of torch DDP's step
-# against one bucket's 1.04).
-SPLIT_BUCKETS = 8
+# Split layout: about this many buckets, each between these sizes. Sixteen 1.1 MiB buckets of
+# the 4.8M-parameter GPT start its all-reduce after a sixteenth of backward (quiet machine,
+# ``ddpkit bench engine --link 300mbit --engines none,torch,native@1mb,native@1.5mb``, eight
+# 2.3 MiB buckets at the time: 0.849 and 0.852 of torch DDP's step against eight buckets' 0.872;
+# the ideal forward + max(backward, comm) + optimizer is 0.825).
+SPLIT_BUCKETS = 16
 SPLIT_MIN_BYTES = 1024 * 1024
 TRIAL_ROUNDS = 3  # passes per layout in the trial
 # Synchronized passes until the chosen layout is built: the first (arrival order), the trial's,
