@@ -31,6 +31,7 @@ log = logging.getLogger("ddpkit.parallel")
 # the ideal forward + max(backward, comm) + optimizer is 0.825).
 SPLIT_BUCKETS = 16
 SPLIT_MIN_BYTES = 1024 * 1024
+SPLIT_FIRST_BYTES = 256 * 1024  # the first bucket: communication starts after 1/75 of backward
 TRIAL_ROUNDS = 3  # passes per layout in the trial
 # Synchronized passes until the chosen layout is built: the first (arrival order), the trial's,
 # and the one after which the choice is made.
@@ -76,7 +77,8 @@ def trial_for(
     size = split_size(total, cap_bytes)
     if size >= min(total, cap_bytes):
         return None  # a small model or a small cap: the split layout would be the same buckets
-    return LayoutTrial((Layout("one", cap_bytes, cap_bytes), Layout("split", size, size)), rounds)
+    first = min(size, SPLIT_FIRST_BYTES)
+    return LayoutTrial((Layout("one", cap_bytes, cap_bytes), Layout("split", first, size)), rounds)
 
 
 def plan_layout(
