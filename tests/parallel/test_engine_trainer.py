@@ -20,13 +20,13 @@ def _data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, torch.tanh(x @ torch.linspace(-1, 1, 12).view(6, 2)))
 
 
-def _fit_both(env, out: str) -> dict:
+def _fit_both(env, out: str, compression: str | None = None) -> dict:
     results = {}
     for engine in ("torch", "native"):
         # micro_batch 2 of a 6-sample share: two forwards under no_sync, then one reduction
         cfg = JobConfig.from_values(
             dict(out=f"{out}/{engine}", steps=6, global_batch=12, lr=1e-2, warmup_steps=2, log_every=1)
-            | dict(eval_every=3, micro_batch=2, engine=engine, progress=False)
+            | dict(eval_every=3, micro_batch=2, engine=engine, progress=False, compression=compression)
         )
         run = Run(**cfg.run_options())
         model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
@@ -48,6 +48,17 @@ def test_native_engine_trains_exactly_like_torch_ddp(tmp_path) -> None:
         assert native_run["losses"] == torch_run["losses"]
         for name, value in torch_run["state"].items():
             assert torch.equal(native_run["state"][name], value), name
+
+
+def test_a_powersgd_setting_is_the_same_on_both_engines(tmp_path) -> None:
+    # Rank 2 after 3 plain steps: torch's PowerSGDState gets the native hook's settings.
+    for result in run_ranks(_fit_both, 2, str(tmp_path), "powersgd:2:3"):
+        torch_run, native_run = result["torch"], result["native"]
+        assert native_run["losses"] == pytest.approx(torch_run["losses"], rel=1e-5)
+        for name, value in torch_run["state"].items():
+            torch.testing.assert_close(native_run["state"][name], value, msg=name)
+    with pytest.raises(ConfigError, match="powersgd:RANK:START_ITER"):
+        EngineConfig(compression="powersgd:x")
 
 
 def test_unknown_engine_lists_native() -> None:
