@@ -37,7 +37,7 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             kind, optional = _base(hints[f.name])
             shown = "runs/TASK" if f.name == "out" else CLI_DEFAULTS.get(f.name, f.default)
             default = "" if shown is MISSING else f" (default: {shown})"
-            help_text = docs.get(f.name, "") + default
+            help_text = (docs.get(f.name, "") + default).replace("%", "%%")  # argparse formats help with %
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             else:
