@@ -33,7 +33,7 @@ from ddpkit.bench.engine import EngineBenchConfig
 from ddpkit.bench.netns import parse_rate
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, assign_buckets
-from ddpkit.parallel.layout import Layout, split_size
+from ddpkit.parallel.layout import Layout, split_layout
 
 MIB = 2**20
 
@@ -98,10 +98,9 @@ def layout_buckets(params: Sequence[nn.Parameter], layout: Layout, bytes_per_ele
 def named_layouts(params: Sequence[nn.Parameter], cap_bytes: int = 25 * MIB) -> dict[str, Layout]:
     """The layouts the engines use: one bucket, the split one, and torch DDP's."""
     total = sum(p.numel() * p.element_size() for p in params)
-    size = split_size(total, cap_bytes)
     return {
         "one": Layout("one", cap_bytes, cap_bytes),
-        "split": Layout("split", size, size),
+        "split": split_layout(total, cap_bytes),
         "torch": Layout("torch", FIRST_BUCKET_BYTES, cap_bytes),
     }
 

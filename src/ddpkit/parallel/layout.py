@@ -69,16 +69,21 @@ def split_size(total_bytes: int, cap_bytes: int) -> int:
     return min(cap_bytes, max(SPLIT_MIN_BYTES, total_bytes // SPLIT_BUCKETS))
 
 
+def split_layout(total_bytes: int, cap_bytes: int) -> Layout:
+    """The split layout for ``total_bytes`` of gradients: a small first bucket, then ``split_size``."""
+    size = split_size(total_bytes, cap_bytes)
+    return Layout("split", min(size, SPLIT_FIRST_BYTES), size)
+
+
 def trial_for(
     params: Sequence[nn.Parameter], cap_bytes: int, rounds: int = TRIAL_ROUNDS
 ) -> LayoutTrial | None:
     """A trial of one bucket against the split layout; None where they would be the same buckets."""
     total = sum(p.numel() * p.element_size() for p in params)
-    size = split_size(total, cap_bytes)
-    if size >= min(total, cap_bytes):
+    split = split_layout(total, cap_bytes)
+    if split.cap_bytes >= min(total, cap_bytes):
         return None  # a small model or a small cap: the split layout would be the same buckets
-    first = min(size, SPLIT_FIRST_BYTES)
-    return LayoutTrial((Layout("one", cap_bytes, cap_bytes), Layout("split", first, size)), rounds)
+    return LayoutTrial((Layout("one", cap_bytes, cap_bytes), split), rounds)
 
 
 def plan_layout(
