@@ -57,6 +57,7 @@ def test_small_models_and_small_caps_have_no_trial() -> None:
     assert trial_for(big, 2**20) is None  # a 1 MiB cap: one bucket is already the split layout
     trial = trial_for(big, 25 * 2**20)
     assert trial is not None and [c.cap_bytes for c in trial.candidates] == [25 * 2**20, 2**20 + 1024]
+    assert "split (0.25 MiB first, 1 MiB buckets) not measured" in trial.describe()
 
 
 class Deep(nn.Module):

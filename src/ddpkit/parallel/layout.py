@@ -215,7 +215,8 @@ class LayoutTrial:
             seconds = self.slowest[k] if self.slowest else 0.0
             took = f"{1e3 * seconds:.0f} ms" if seconds else "not measured"
             mark = " (kept)" if k == self.chosen else ""
-            parts.append(f"{layout.name} ({_mib(layout.cap_bytes)} buckets) {took}{mark}")
+            first = f"{_mib(layout.first_bytes)} first, " if layout.first_bytes < layout.cap_bytes else ""
+            parts.append(f"{layout.name} ({first}{_mib(layout.cap_bytes)} buckets) {took}{mark}")
         how = f"backward + unhidden communication, fastest of {self.rounds} passes on the slowest rank"
         waited = self.slowest[len(self.candidates)] if self.slowest else 0.0
         tail = f"; {self.candidates[0].name} waited {1e3 * waited:.0f} ms after backward"
