@@ -2,7 +2,8 @@
 
 Each rank splits its step time three ways:
 - data: fetching and collating its batch;
-- compute: forward, the local part of backward, and the optimizer;
+- compute: the rest of the window: forward, the local part of backward, the optimizer, and
+  whatever else the loop does between batches;
 - comm wait: from its last locally computed gradient to the end of backward, i.e. waiting for
   the engine's gradient all-reduce. A fast rank waits for a slow one here, so a straggler shows
   as high compute on one rank and high comm wait on all the others.
@@ -15,10 +16,7 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-
-from ddpkit.dist import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +26,18 @@ MIN_EXCESS_S = 0.05  # ... by at least this many seconds in the window: less is 
 
 
 class StepClock:
-    """Accumulates one rank's data / compute / comm-wait seconds.
+    """Accumulates one rank's data and comm-wait seconds; compute is the rest of a window's time.
 
-    A post-accumulate-grad hook on every parameter records when the last local gradient was
-    ready; the time from there to the end of backward is the wait for communication.
-
-    Args:
-        model: the bare model whose parameters get the hook.
+    A post-accumulate-grad hook on every watched parameter records when the last local gradient
+    was ready; the time from there to the end of backward is the wait for communication.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self.totals = dict.fromkeys(FIELDS, 0.0)
+    def __init__(self) -> None:
+        self.data_s = self.comm_wait_s = 0.0
         self.last_grad = 0.0
+
+    def watch(self, model: nn.Module) -> None:
+        """Time backward's local part on this model's trainable parameters."""
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._grad_ready)
@@ -47,15 +45,10 @@ class StepClock:
     def _grad_ready(self, param: Tensor) -> None:
         self.last_grad = time.perf_counter()
 
-    def add(self, field: str, seconds: float) -> None:
-        self.totals[field] += seconds
-
     def backward_done(self, backward_start: float) -> None:
-        """Split a finished backward into local compute and the wait for the all-reduce."""
+        """A backward that began at ``backward_start`` ended now: add its wait for the all-reduce."""
         end = time.perf_counter()
-        ready = min(max(self.last_grad, backward_start), end)
-        self.totals["compute_s"] += ready - backward_start
-        self.totals["comm_wait_s"] += end - ready
+        self.comm_wait_s += end - min(max(self.last_grad, backward_start), end)
 
 
 class Window:
@@ -63,36 +56,29 @@ class Window:
 
     def __init__(self, device: torch.device, clock: StepClock) -> None:
         self.device, self.clock = device, clock
+        self.last_end = time.perf_counter()  # when the last step ended (or the loop began)
         self.reset()
 
     def reset(self) -> None:
         self.loss_sum = torch.zeros((), device=self.device)
         self.samples, self.start = 0, time.perf_counter()
-        self.timers_at_start = dict(self.clock.totals)
+        self.step_s: list[float] = []  # each step's seconds, end to end
+        self._at_start = (self.clock.data_s, self.clock.comm_wait_s)
 
-    def add(self, loss_sum: Tensor, samples: int) -> None:
-        self.loss_sum += loss_sum.detach()
-        self.samples += samples
+    def step_ended(self) -> None:
+        now = time.perf_counter()
+        self.step_s.append(now - self.last_end)
+        self.last_end = now
 
-    def gather(self, env: DistEnv, flag: float = 0.0) -> tuple[float, int, list[dict]]:
-        """Global mean loss, global samples, and each rank's timings. Collective: all ranks call it.
+    def median_step_s(self) -> float:
+        """The window's median step: unlike its mean, blind to a pause between two steps."""
+        return statistics.median(self.step_s) if self.step_s else 0.0
 
-        ``flag`` rides along; the largest any rank sent is left in ``self.max_flag``.
-        """
-        spent = [self.clock.totals[f] - self.timers_at_start[f] for f in FIELDS]
-        mine = torch.tensor(
-            [self.loss_sum.item(), float(self.samples), *spent, flag], dtype=torch.float64, device=self.device
-        )
-        rows = [torch.empty_like(mine) for _ in range(env.world_size)]
-        dist.all_gather(rows, mine)
-        table = torch.stack(rows).cpu()  # (world_size, 2 + len(FIELDS) + 1)
-        ranks = [
-            {"rank": r, **{f: round(table[r, 2 + i].item(), 6) for i, f in enumerate(FIELDS)}}
-            for r in range(env.world_size)
-        ]
-        loss_sum, samples = table[:, 0].sum().item(), int(table[:, 1].sum().item())
-        self.max_flag = table[:, -1].max().item()
-        return loss_sum / max(samples, 1), samples, ranks
+    def spent(self, now: float) -> tuple[float, ...]:
+        """Seconds of data, compute and comm wait since the window began (in FIELDS order)."""
+        data = self.clock.data_s - self._at_start[0]
+        comm_wait = self.clock.comm_wait_s - self._at_start[1]
+        return data, max(0.0, now - self.start - data - comm_wait), comm_wait
 
 
 def stragglers(

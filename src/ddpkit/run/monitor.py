@@ -32,6 +32,19 @@ from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_aft
 
 log = logging.getLogger(__name__)
 
+# By default, log lines and replica checks come every so many steps: the first of these choices
+# that lasts the interval by the measured step time.
+LOG_EVERY, LOG_INTERVAL_S = (10, 20, 50, 100, 200, 500, 1000), 0.1  # about tqdm's redraw
+CHECK_EVERY, CHECK_INTERVAL_S = (100, 200, 500, 1000, 2000, 5000, 10000), 1.0
+
+
+def paced_every(seconds_per_step: float, choices: tuple[int, ...], interval_s: float) -> int:
+    """The first of ``choices`` (steps) that lasts ``interval_s``; the last choice at most.
+
+    ``seconds_per_step`` comes from gathered timings, so every rank picks the same number.
+    """
+    return next((n for n in choices if n * seconds_per_step >= interval_s), choices[-1])
+
 
 @dataclass(frozen=True)
 class DiagnosticsConfig:
@@ -39,8 +52,12 @@ class DiagnosticsConfig:
 
     Args:
         log_every: gather the loss, timings and user metrics and write a metrics line every
-            this many steps (and at step 1 and at the end).
+            this many steps (and at step 1 and at the end). None (the default): every 10 steps,
+            or, when steps are short, every 20, 50, ... 1000 steps, the first that lasts 0.1 s
+            by the slowest rank's median step (``paced_every``); pass a number for lines at
+            fixed steps.
         check_every: every this many steps, all ranks compare parameter fingerprints; 0 disables.
+            None (the default): every 100 steps, or 200, 500, ... 10000, the first that lasts 1 s.
         rank_table_every: rank 0 logs every rank's data / compute / comm-wait seconds this often;
             0 disables (stragglers are warned about regardless).
         collective_timeout: seconds a rank may spend without progress in a collective before the
@@ -53,8 +70,8 @@ class DiagnosticsConfig:
         log_samples: each rank appends the dataset indices of each step to OUT/samples/rank{R}.jsonl.
     """
 
-    log_every: int = 10
-    check_every: int = 100
+    log_every: int | None = None
+    check_every: int | None = None
     rank_table_every: int = 0
     collective_timeout: float = 1800.0
     startup_timeout: float = 600.0
@@ -62,12 +79,12 @@ class DiagnosticsConfig:
     log_samples: bool = False
 
     def __post_init__(self) -> None:
-        if self.log_every < 1:
+        if self.log_every is not None and self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every} is below 1; use a positive number of steps")
         if not 0 < self.startup_timeout < float("inf"):
             raise ConfigError(f"startup_timeout={self.startup_timeout} must be a positive number of seconds")
         for name in ("check_every", "rank_table_every", "collective_timeout"):
-            if not getattr(self, name) >= 0:
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is below 0; use 0 to disable")
 
 
@@ -82,7 +99,7 @@ class Monitor:
 
     def __init__(self, env: DistEnv, cfg: DiagnosticsConfig, out: Path | None) -> None:
         self.env, self.cfg, self.out = env, cfg, out
-        self.clock = StepClock(nn.Module())
+        self.clock = StepClock()
         self.window = Window(env.device, self.clock)
         self.user: dict[str, list[float]] = {}
         self.bar: tqdm | None = None
@@ -91,8 +108,10 @@ class Monitor:
         if cfg.collective_timeout and env.world_size > 1:  # one process cannot wait for another
             report = out / "hang-report.txt" if out is not None else None
             self.watchdog = HangWatchdog(env, cfg.collective_timeout, report_path=report).start()
-        self.mark = time.perf_counter()  # the end of the last measured interval
         self.start_step = self.logged_step = -1
+        self.every = cfg.log_every or LOG_EVERY[0]  # steps between log lines, for now
+        # ... and between replica checks (0: none)
+        self.check_every = CHECK_EVERY[0] if cfg.check_every is None else cfg.check_every
         self._pending: _Gather | None = None  # the last log step's gather, still in flight
 
     def _truncate_samples(self, step: int) -> None:
@@ -107,9 +126,14 @@ class Monitor:
 
     def watch(self, model: nn.Module) -> None:
         """Time backward's local part on this model's parameters (for the comm-wait split)."""
-        for param in model.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self.clock._grad_ready)
+        self.clock.watch(model)
+
+    def pace(self, seconds_per_step: float) -> None:
+        """Re-pace default log lines and checks from the slowest rank's step (the same on every rank)."""
+        if self.cfg.log_every is None:
+            self.every = paced_every(seconds_per_step, LOG_EVERY, LOG_INTERVAL_S)
+        if self.cfg.check_every is None:
+            self.check_every = paced_every(seconds_per_step, CHECK_EVERY, CHECK_INTERVAL_S)
 
     def phase(self, step: int, name: str) -> None:
         if self.watchdog is not None:
@@ -126,7 +150,7 @@ class Monitor:
             disable=not (self.env.is_rank0 and self.cfg.progress),
         )  # fmt: skip
         self.window.reset()
-        self.mark = time.perf_counter()
+        self.window.last_end = self.window.start
         self.start_step = self.logged_step = step
 
     def samples_taken(self, step: int, indices: list[int]) -> None:
@@ -136,17 +160,8 @@ class Monitor:
                 f.write(json.dumps({"step": step, "indices": indices}) + "\n")
 
     def data(self, start: float) -> None:
-        """A batch arrived; the time since ``start`` went to data, the time before it to compute."""
-        now = time.perf_counter()
-        self.clock.add("compute_s", max(0.0, start - self.mark))
-        self.clock.add("data_s", now - start)
-        self.mark = now
-
-    def backward(self, start: float) -> None:
-        """A backward that began at ``start`` ended: split it into compute and comm wait."""
-        self.clock.add("compute_s", max(0.0, start - self.mark))
-        self.clock.backward_done(start)
-        self.mark = time.perf_counter()
+        """A batch arrived; the time since ``start`` went to data."""
+        self.clock.data_s += time.perf_counter() - start
 
     def add_user(self, name: str, value: float | Tensor) -> None:
         total = self.user.setdefault(name, [0.0, 0])
@@ -159,13 +174,12 @@ class Monitor:
         """After a step (``ended``), or at the run's end: start this step's log gather when due, and
         finish the previous one. Returns the finished one's record and the largest preemption
         ``signal`` any rank sent with it. Collective when due: every rank reaches the same steps."""
-        now = time.perf_counter()
-        self.clock.add("compute_s", max(0.0, now - self.mark))
-        self.mark = now
-        if ended and self.bar is not None:
-            self.bar.update(1)
+        if ended:
+            self.window.step_ended()
+            if self.bar is not None:
+                self.bar.update(1)
         logged = self._finish_gather() if self._pending is not None else None
-        due = ended and (step % self.cfg.log_every == 0 or step == 1)
+        due = ended and (step % self.every == 0 or step == 1)
         if (due or last) and step != self.logged_step and step != self.start_step:
             self._start_gather(step, extra(), signal)
             if last:  # nothing follows to finish it
@@ -180,26 +194,26 @@ class Monitor:
 
     def _start_gather(self, step: int, extra: dict, signal: int) -> None:
         self.phase(step, "log: loss, timings and metrics all_gather")
-        window, totals = self.window, self.clock.totals
-        spent = [totals[f] - window.timers_at_start[f] for f in FIELDS]
-        # (2 + len(FIELDS) + 2,): the loss sum stays on the device, so nothing waits for it here.
-        row = [0.0, float(window.samples), *spent, float(bool(self.user)), float(signal)]
+        window, now = self.window, time.perf_counter()
+        spent, user = window.spent(now), float(bool(self.user))
+        # (2 + len(FIELDS) + 3,): the loss sum stays on the device, so nothing waits for it here.
+        row = [0.0, float(window.samples), *spent, window.median_step_s(), user, float(signal)]
         mine = torch.tensor(row, dtype=torch.float64).to(self.env.device)
         mine[:1].copy_(window.loss_sum.detach())  # on the device, in float64: no sync, exact
         rows = [torch.empty_like(mine) for _ in range(self.env.world_size)]
         work = dist.all_gather(rows, mine, async_op=True)
-        elapsed = time.perf_counter() - window.start
+        elapsed = now - window.start
         self._pending = _Gather(step, rows, work, elapsed, extra, self.user)
         self.user = {}
         window.reset()
-        self.logged_step, self.mark = step, time.perf_counter()
+        self.logged_step = step
 
     def _finish_gather(self) -> tuple[dict, int]:
         gather, self._pending = self._pending, None
         self.phase(gather.step, "log: loss, timings and metrics all_gather")
         gather.work.wait()
         # One transfer to Python lists: each tensor op on a few numbers costs more than the numbers.
-        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, 2 + len(FIELDS) + 2)
+        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, 2 + len(FIELDS) + 3)
         # Whether any rank logged metrics rode on the tensor gather, so the pickled gather of their
         # names and values (ranks may have logged different ones) runs only when there are some.
         everyone: list[dict | None] = [{}] * self.env.world_size
@@ -213,6 +227,8 @@ class Monitor:
             "loss": loss_sum / max(samples, 1),
             "samples_per_s": samples / gather.elapsed,
             "time_s": gather.elapsed,
+            # The slowest rank's median step in the window: what default log lines are paced by.
+            "step_s": max(row[2 + len(FIELDS)] for row in table),
             **gather.extra,
             **_means(everyone),
             # Each rank's seconds in this window: `ddpkit report` sums them over the lines.
@@ -246,6 +262,8 @@ class Monitor:
         A gather still in flight (the loop raised) is dropped, not waited for: a rank that failed
         may never join it."""
         self._pending = None
+        if self.metrics is not None:
+            self.metrics.close()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.bar is not None:

@@ -3,7 +3,7 @@ boundary that every rank agrees on, with a checkpoint of that step.
 
 The handler only records the signal. Ranks receive it at slightly different moments, so they
 agree with one all-reduce (MAX of the signal number) every ``every`` steps: about half a second
-of steps by the measured step time, and at most ``log_every`` steps. The agreement costs one tiny
+of steps by the measured step time, and at least at every log step. The agreement costs one tiny
 collective per half second or per log line, and a stop waits at most that long plus a step. A
 second signal exits at once; the checkpoint being written is then abandoned and the previous good
 one stays.
@@ -44,7 +44,7 @@ class Preemption:
         self.received = number
 
     def pace(self, seconds_per_step: float, at_most: int) -> None:
-        """Agree about every AGREE_S seconds, and at least every ``at_most`` steps (log_every);
+        """Agree about every AGREE_S seconds, and at least every ``at_most`` steps (the log steps');
         ``seconds_per_step`` must be the same on every rank."""
         steps = int(AGREE_S / seconds_per_step) if seconds_per_step > 0 else 1
         self.every = max(1, min(steps, at_most))

@@ -177,6 +177,8 @@ class Run(RunEnd):
                 )
             self._new_name(name, name)
             gate(obj, self.cycle)
+            if self.cycle.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
+                self.cycle.lr_optimizer = obj  # metrics lines show its learning rate
             self.objects[name] = obj
 
     def loader(self, data: Dataset | DataLoader, **dataloader_kwargs: Any) -> Loader:
@@ -232,7 +234,7 @@ class Run(RunEnd):
         self.cycle.has_backward = True
         start = time.perf_counter()
         self.scaler.scale(loss * scale if scale != 1.0 else loss).backward()
-        self.monitor.backward(start)
+        self.monitor.clock.backward_done(start)
 
     def log(self, **metrics: float | torch.Tensor) -> None:
         """Record metrics for this step; each metrics line holds their mean over ranks and steps."""

@@ -64,11 +64,12 @@ class StepCycle:
         self.ckpt_cfg, self.optim_cfg, self.scaler, self.steps = ckpt_cfg, optim_cfg, scaler, steps
         self.step, self.saved_step, self.skipped_steps = step, step, 0
         self.last_lr: float | None = None  # the first optimizer's rate at its last real step
+        self.lr_optimizer: torch.optim.Optimizer | None = None  # the first tracked, set by Run.track
         self.loader: Loader | None = None
         self.micro: Micro | None = None
         self.open = self.has_backward = self.save_now = False
         self.indices: list[int] = []
-        self.preemption, self.on_preempt, self.paced_step = preemption, on_preempt, step
+        self.preemption, self.on_preempt = preemption, on_preempt
         self.replicas = ReplicaCheck(env, monitor, models)
 
     @property
@@ -90,7 +91,7 @@ class StepCycle:
         """The loop is about to get ``micro``'s batch."""
         self.micro = micro
         self.monitor.window.samples += micro.samples
-        if micro.samples:
+        if micro.samples and self.monitor.cfg.log_samples:
             self.indices += micro.indices
         if micro.first or micro.last:  # no_sync on all but the step's last micro-batch
             set_grad_sync(self.models.values(), micro.last)
@@ -118,7 +119,7 @@ class StepCycle:
         every = self.ckpt_cfg.save_every
         due = self.save_now or (every > 0 and (self.step % every == 0 or last))
         save = due and self.saved_step != self.step
-        check_every = self.monitor.cfg.check_every
+        check_every = self.monitor.check_every
         if check_every and ended and (self.step % check_every == 0 or last):
             self.replicas.start(self.step)
             if last or save:  # nothing follows to finish it; a checkpoint holds checked replicas only
@@ -138,12 +139,10 @@ class StepCycle:
             self.on_preempt(number, self.step)
 
     def _pace(self, record: dict) -> None:
-        # From gathered timings, so every rank computes the same pace for the agreement.
-        steps = record["step"] - self.paced_step
-        if steps > 0:
-            slowest = max(r["data_s"] + r["compute_s"] + r["comm_wait_s"] for r in record["ranks"])
-            self.preemption.pace(slowest / steps, self.monitor.cfg.log_every)
-        self.paced_step = record["step"]
+        # From the gathered median step, so every rank computes the same pace for the agreement.
+        if record["step_s"] > 0:
+            self.monitor.pace(record["step_s"])
+            self.preemption.pace(record["step_s"], self.monitor.every)
 
     def _extra(self) -> dict:
         extra = {
@@ -152,9 +151,6 @@ class StepCycle:
         }
         # The rate the step ran at: a scheduler stepped after the optimizer has set the next one.
         return extra | ({"lr": self.last_lr} if self.last_lr is not None else {})
-
-    def _first_optimizer(self) -> torch.optim.Optimizer | None:
-        return next((o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)), None)
 
     def checkpoint(self) -> None:
         """Write every registered object's state at this step. Collective."""
@@ -181,7 +177,7 @@ class StepCycle:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any, closure: Any) -> Any:
         """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
-        if self.last_lr is None or optimizer is self._first_optimizer():
+        if self.last_lr is None or optimizer is self.lr_optimizer:
             self.last_lr = optimizer.param_groups[0]["lr"]
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)  # clip and check the true gradient
