@@ -217,3 +217,27 @@ def test_one_run_per_folder_and_a_stale_lock_never_blocks(tmp_path):
     died = subprocess.run([sys.executable, "-c", holder, str(tmp_path)])
     assert died.returncode == -9
     ddpkit.Run(out=tmp_path, progress=False).close()  # the kernel released the dead holder's lock
+
+
+def test_a_one_element_loss_is_logged_and_a_loss_per_sample_is_one_line(tmp_path):
+    run = ddpkit.Run(out=tmp_path, global_batch=4, progress=False, log_every=1)
+    try:
+        model = run.setup(_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.track(optimizer)
+        losses = []
+        for x, y in run.loader(_data(8)):
+            optimizer.zero_grad()
+            if run.step == 2:
+                per_sample = F.mse_loss(model(x), y, reduction="none").mean(dim=1)
+                with pytest.raises(ConfigError, match=r"got shape \(4,\): reduce it first"):
+                    run.backward(per_sample)
+            loss = F.mse_loss(model(x), y).reshape(1)  # shape (1,): backward takes it, so does the log
+            losses.append(loss.item())
+            run.backward(loss)
+            optimizer.step()
+        run.finish()
+    finally:
+        run.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["loss"] for line in lines] == pytest.approx(losses, rel=1e-6)

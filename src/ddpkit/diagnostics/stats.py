@@ -17,38 +17,58 @@ import time
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import Variable
+
+from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 FIELDS = ("data_s", "compute_s", "comm_wait_s")
 STRAGGLER_RATIO = 1.5  # a rank whose data + compute exceeds this times the others' median is named
 MIN_EXCESS_S = 0.05  # ... by at least this many seconds in the window: less is noise, not a straggler
+FOLD_LOSSES = 256  # a window's losses are summed on the device once this many are pending
 
 
 class StepClock:
     """Accumulates one rank's data and comm-wait seconds; compute is the rest of a window's time.
 
-    A post-accumulate-grad hook on every watched parameter records when the last local gradient
-    was ready; the time from there to the end of backward is the wait for communication.
+    One post-accumulate-grad hook per watched model, on its first trainable parameter, queues a
+    callback on the autograd engine that runs once the whole backward graph is done: every local
+    gradient is computed, and the engines' own end-of-backward callbacks (queued later, as the
+    last gradient arrives), which wait for the all-reduce, have not run yet. The time from there
+    to the end of backward is the wait for communication. A Python hook on every parameter would
+    cost about a microsecond each per step. A backward that gives that parameter no gradient
+    (unused this step) counts its whole time as compute.
     """
 
     def __init__(self) -> None:
         self.data_s = self.comm_wait_s = 0.0
-        self.last_grad = 0.0
+        self._graph_done = 0.0
+        self._queued = False
 
     def watch(self, model: nn.Module) -> None:
-        """Time backward's local part on this model's trainable parameters."""
-        for param in model.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._grad_ready)
+        """Time the backward passes through ``model`` (before an engine wraps it: its own hooks,
+        registered later on the same parameter, then run after this one)."""
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is not None:
+            first.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, param: Tensor) -> None:
-        self.last_grad = time.perf_counter()
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._graph_end)
 
-    def backward_done(self, backward_start: float) -> None:
-        """A backward that began at ``backward_start`` ended now: add its wait for the all-reduce."""
-        end = time.perf_counter()
-        self.comm_wait_s += end - min(max(self.last_grad, backward_start), end)
+    def _graph_end(self) -> None:
+        self._graph_done = time.perf_counter()
+
+    def backward(self, loss: Tensor) -> None:
+        """``loss.backward()``, its time split into local compute and comm wait."""
+        self._graph_done, self._queued = 0.0, False
+        start = time.perf_counter()
+        loss.backward()
+        if self._graph_done:
+            end = time.perf_counter()
+            self.comm_wait_s += end - min(max(self._graph_done, start), end)
 
 
 class Window:
@@ -60,10 +80,38 @@ class Window:
         self.reset()
 
     def reset(self) -> None:
-        self.loss_sum = torch.zeros((), device=self.device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._losses: list[Tensor] = []  # each micro-batch's mean loss, still on the device
+        self._weights: list[int] = []  # ... and its samples
         self.samples, self.start = 0, time.perf_counter()
         self.step_s: list[float] = []  # each step's seconds, end to end
         self._at_start = (self.clock.data_s, self.clock.comm_wait_s)
+
+    def add_loss(self, loss: Tensor, samples: int) -> None:
+        """Count a micro-batch's mean loss (no host sync): appending costs less than adding."""
+        loss = loss.detach()
+        if loss.dim():
+            if loss.numel() != 1:
+                raise ConfigError(
+                    f"run.backward takes a micro-batch's mean loss, one number; got shape "
+                    f"{tuple(loss.shape)}: reduce it first, e.g. loss.mean()"
+                )
+            loss = loss.reshape(())
+        self._losses.append(loss)
+        self._weights.append(samples)
+        if len(self._losses) == FOLD_LOSSES:
+            self._fold()
+
+    def loss_sum(self) -> Tensor:
+        """The window's sum of loss x samples, in float64 on the device."""
+        self._fold()
+        return self._loss_sum
+
+    def _fold(self) -> None:
+        if self._losses:
+            weights = torch.tensor(self._weights, dtype=torch.float64).to(self.device, non_blocking=True)
+            self._loss_sum += torch.stack(self._losses).double() @ weights
+            self._losses, self._weights = [], []
 
     def step_ended(self) -> None:
         now = time.perf_counter()

@@ -124,16 +124,16 @@ class Monitor:
                 truncate_after(path, step)
         dist.barrier()  # no rank appends before rank 0 has truncated
 
-    def watch(self, model: nn.Module) -> None:
-        """Time backward's local part on this model's parameters (for the comm-wait split)."""
-        self.clock.watch(model)
-
     def pace(self, seconds_per_step: float) -> None:
         """Re-pace default log lines and checks from the slowest rank's step (the same on every rank)."""
         if self.cfg.log_every is None:
             self.every = paced_every(seconds_per_step, LOG_EVERY, LOG_INTERVAL_S)
         if self.cfg.check_every is None:
             self.check_every = paced_every(seconds_per_step, CHECK_EVERY, CHECK_INTERVAL_S)
+
+    def watch(self, model: nn.Module) -> None:
+        """Time backward's local part through this bare model (for the comm-wait split)."""
+        self.clock.watch(model)
 
     def phase(self, step: int, name: str) -> None:
         if self.watchdog is not None:
@@ -199,7 +199,7 @@ class Monitor:
         # (2 + len(FIELDS) + 3,): the loss sum stays on the device, so nothing waits for it here.
         row = [0.0, float(window.samples), *spent, window.median_step_s(), user, float(signal)]
         mine = torch.tensor(row, dtype=torch.float64).to(self.env.device)
-        mine[:1].copy_(window.loss_sum.detach())  # on the device, in float64: no sync, exact
+        mine[:1].copy_(window.loss_sum())  # on the device, in float64: no sync
         rows = [torch.empty_like(mine) for _ in range(self.env.world_size)]
         work = dist.all_gather(rows, mine, async_op=True)
         elapsed = now - window.start

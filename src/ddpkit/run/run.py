@@ -157,8 +157,8 @@ class Run(RunEnd):
         check_same_model(model, self.env)
         if self._saved is not None and name in self._saved["state"]:
             load_weights(model, self._saved["state"][name], name, self._resume_path)
+        self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
         wrapped = wrap(model, self.env, self.engine_cfg)
-        self.monitor.watch(model)
         self.models[name], self.objects[name] = wrapped, unwrap(wrapped)
         self.track(*optimizers)
         return wrapped
@@ -229,12 +229,10 @@ class Run(RunEnd):
         """
         micro = self.cycle.micro
         scale = micro.scale if micro is not None else 1.0
-        if micro is not None:  # one in-place op, no host sync: the loss stays on the device
-            self.monitor.window.loss_sum.add_(loss.detach(), alpha=micro.samples)
+        if micro is not None:
+            self.monitor.window.add_loss(loss, micro.samples)
         self.cycle.has_backward = True
-        start = time.perf_counter()
-        self.scaler.scale(loss * scale if scale != 1.0 else loss).backward()
-        self.monitor.clock.backward_done(start)
+        self.monitor.clock.backward(self.scaler.scale(loss * scale if scale != 1.0 else loss))
 
     def log(self, **metrics: float | torch.Tensor) -> None:
         """Record metrics for this step; each metrics line holds their mean over ranks and steps."""
