@@ -38,7 +38,8 @@ class StepClock:
     last gradient arrives), which wait for the all-reduce, have not run yet. The time from there
     to the end of backward is the wait for communication. A Python hook on every parameter would
     cost about a microsecond each per step. A backward that gives that parameter no gradient
-    (unused this step) counts its whole time as compute.
+    (unused this step) counts its whole time as compute; one inside a reentrant activation
+    checkpoint ends the inner graph, which shows as comm wait.
     """
 
     def __init__(self) -> None:
