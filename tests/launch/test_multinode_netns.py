@@ -66,9 +66,9 @@ def machines():
             _ip("netns", "del", host["ns"])  # takes the veth pair with it
 
 
-def _node(host: dict, out, flags: str) -> subprocess.Popen:
+def _node(host: dict, out, flags: str, run: str = RUN) -> subprocess.Popen:
     """`ddpkit train` inside a namespace; gloo is told which interface is the network."""
-    train = [sys.executable, "-m", "ddpkit", "train", *RUN.split(), "--out", str(out), *flags.split()]
+    train = [sys.executable, "-m", "ddpkit", "train", *run.split(), "--out", str(out), *flags.split()]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": host["iface"]}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(["ip", "netns", "exec", host["ns"], *train], env=env, **pipes)
@@ -137,6 +137,35 @@ def test_two_machines_of_two_equal_one_machine_of_four(machines, one_machine, tm
     multi, single = (torch.load(p / "model.pt", weights_only=True) for p in (out, one_machine))
     assert all(torch.equal(multi[k], single[k]) for k in single)
     assert _losses(out) == _losses(one_machine)
+
+
+TASK = Path(__file__).parents[2] / "examples" / "task_mlp.py"
+
+
+def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path):
+    """Each node loads the user's task file itself; the ranks check they run the same job."""
+    a, b = machines
+    task = f"{TASK} --global-batch 32 --steps 8 --eval-every 4 --log-every 1 --seed 5"
+    reference = tmp_path / "one_machine"
+    cmd = [sys.executable, "-m", "ddpkit", "train", *task.split(), "--nproc", "2", "--out", str(reference)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "two_nodes"
+    launch = f"--nnodes 2 --nproc 1 --master-addr {a['addr']} --master-port {PORT}"
+    first = _node(a, out, f"{launch} --node-rank 0", run=task)
+    _wait_listening(a, first)
+    second = _node(b, out, f"{launch} --node-rank 1", run=task)
+    outputs = []
+    for proc in (first, second):
+        code, stdout, err = _finish(proc, 180)
+        assert code == 0, err[-3000:]
+        outputs.append(stdout)
+    assert "task_mlp trained to step 8 on 2 processes" in outputs[0]  # node 0 holds rank 0
+    multi, single = (torch.load(p / "model.pt", weights_only=True) for p in (out, reference))
+    assert all(torch.equal(multi[k], single[k]) for k in single)
+    assert _losses(out) == _losses(reference)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert sum("eval_loss" in json.loads(line) for line in lines) == 2  # steps 4 and 8, both machines
 
 
 def test_unreachable_master_on_the_network(machines, tmp_path):
