@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import deque
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +28,7 @@ FIELDS = ("data_s", "compute_s", "comm_wait_s")
 STRAGGLER_RATIO = 1.5  # a rank whose data + compute exceeds this times the others' median is named
 MIN_EXCESS_S = 0.05  # ... by at least this many seconds in the window: less is noise, not a straggler
 FOLD_LOSSES = 256  # a window's losses are summed on the device once this many are pending
+STEP_TIMES = 1024  # a window's median step is over at most its last this many steps
 
 
 class StepClock:
@@ -85,7 +87,7 @@ class Window:
         self._losses: list[Tensor] = []  # each micro-batch's mean loss, still on the device
         self._weights: list[int] = []  # ... and its samples
         self.samples, self.start = 0, time.perf_counter()
-        self.step_s: list[float] = []  # each step's seconds, end to end
+        self.step_s: deque[float] = deque(maxlen=STEP_TIMES)  # the last steps' seconds, end to end
         self._at_start = (self.clock.data_s, self.clock.comm_wait_s)
 
     def add_loss(self, loss: Tensor, samples: int) -> None:
@@ -120,7 +122,7 @@ class Window:
         self.last_end = now
 
     def median_step_s(self) -> float:
-        """The window's median step: unlike its mean, blind to a pause between two steps."""
+        """The window's (last steps') median step: unlike its mean, blind to a pause between two."""
         return statistics.median(self.step_s) if self.step_s else 0.0
 
     def spent(self, now: float) -> tuple[float, ...]:
