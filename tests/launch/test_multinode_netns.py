@@ -142,9 +142,13 @@ def test_two_machines_of_two_equal_one_machine_of_four(machines, one_machine, tm
 TASK = Path(__file__).parents[2] / "examples" / "task_mlp.py"
 
 
-def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path):
+def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path, monkeypatch):
     """Each node loads the user's task file itself; the ranks check they run the same job."""
     a, b = machines
+    # One thread per process in both runs: ddpkit gives a worker cores / local processes threads
+    # (2 per node here, 1 on the machine of 2), and a float sum over 2 threads need not equal the
+    # sum over 1, so bit-equality needs the same thread count on both sides.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     task = f"{TASK} --global-batch 32 --steps 8 --eval-every 4 --log-every 1 --seed 5"
     reference = tmp_path / "one_machine"
     cmd = [sys.executable, "-m", "ddpkit", "train", *task.split(), "--nproc", "2", "--out", str(reference)]
