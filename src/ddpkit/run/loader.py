@@ -93,30 +93,69 @@ def plan_epoch(sampler: GlobalBatchSampler, micro_batch: int | None) -> list[Mic
     return plan
 
 
+class EpochIndices(list):
+    """A micro-batch's dataset indices, carrying the epoch they are drawn in to the fetch."""
+
+    epoch: int = 0
+
+
 class _PlanSampler:
     """The batch sampler the DataLoader iterates: the index lists of the current plan."""
 
     def __init__(self) -> None:
         self.plan: list[Micro] = []
+        self.epoch = 0
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (micro.indices for micro in self.plan)
+        for micro in self.plan:
+            indices = EpochIndices(micro.indices)
+            indices.epoch = self.epoch
+            yield indices
 
     def __len__(self) -> int:
         return len(self.plan)
 
 
-class _SeededFetch(Dataset):
-    """Wraps the user's dataset so that random transforms in a worker depend on the samples alone.
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's random transforms: (run seed, epoch, sample index) alone."""
+    digest = hashlib.blake2b(repr((seed, epoch, index)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
-    In a DataLoader worker, python, numpy and torch are seeded from (seed, the micro-batch's
-    indices) before the samples are fetched, so a resumed run, whichever worker gets which
-    batch, draws the same augmentations. In the training process nothing is reseeded: its
-    generators are checkpointed and restored exactly.
+
+def _rng_states() -> tuple:
+    return random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+
+
+def _set_rng_states(states: tuple) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.default_generator.set_state(states[2])
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return (
+        a[0] == b[0]
+        and a[1][2:] == b[1][2:]
+        and np.array_equal(a[1][1], b[1][1])
+        and torch.equal(a[2], b[2])
+    )
+
+
+class _SeededFetch(Dataset):
+    """Wraps the user's dataset so that random transforms draw the same numbers for the same sample
+    at any world size, any micro_batch and after a resume.
+
+    Before each sample is fetched, python, numpy and torch's CPU generator are seeded from (run
+    seed, epoch, sample index): which rank, worker or micro-batch fetches a sample no longer
+    matters. In the training process (num_workers=0) the generators are put back afterwards, so
+    the model's own draws (dropout) are what they would be without data loading. Seeding costs
+    about 9 us a sample, so the first micro-batch of each epoch is fetched plainly to see whether
+    the dataset draws at all; one that does not (a TensorDataset) is not seeded that epoch.
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
+        self.draws: bool | None = None  # whether the dataset draws random numbers; None: not known yet
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -125,16 +164,33 @@ class _SeededFetch(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> list:
-        if get_worker_info() is not None:
-            digest = hashlib.blake2b(repr((self.seed, indices)).encode(), digest_size=8).digest()
-            seed = int.from_bytes(digest, "little") >> 1
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            # The CPU generator alone: all a worker's transforms can draw from (a worker cannot use
-            # CUDA), and torch.manual_seed's visit to every other backend costs ~0.2 ms per batch.
-            torch.default_generator.manual_seed(seed)
+        if self.draws is False:
+            return self._plain(indices)
+        before = _rng_states()
+        in_worker = get_worker_info() is not None
+        try:
+            if self.draws is None:
+                batch = self._plain(indices)
+                self.draws = not _same_states(before, _rng_states())
+                if not self.draws:
+                    return batch
+            return [self._seeded(getattr(indices, "epoch", 0), index) for index in indices]
+        finally:
+            if not in_worker:  # a worker's generators are its own; the training process's are the run's
+                _set_rng_states(before)
+
+    def _plain(self, indices: list[int]) -> list:
         own = getattr(self.dataset, "__getitems__", None)
         return own(indices) if own else [self.dataset[i] for i in indices]
+
+    def _seeded(self, epoch: int, index: int) -> Any:
+        seed = sample_seed(self.seed, epoch, index)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        # The CPU generator alone: all a transform in a worker can draw from (a worker cannot use
+        # CUDA), and torch.manual_seed's visit to every other backend costs ~0.2 ms.
+        torch.default_generator.manual_seed(seed)
+        return self.dataset[index]
 
 
 class Loader:
@@ -177,16 +233,25 @@ class Loader:
         return self.sampler.steps_per_epoch
 
     def __len__(self) -> int:
-        """Micro-batches this rank gets in the next ``for`` (the rest of the current epoch)."""
-        return len(plan_epoch(self.sampler, self.micro_batch))
+        """Optimizer steps in one epoch (``steps_per_epoch``): the same number at every point of a
+        run, before and after a resume, on any world size and with any ``micro_batch``.
+
+        What a single-device loop's ``len(loader)`` means (one optimizer step per batch), so
+        ``epochs * len(loader)`` sizes a schedule right. Iterating yields micro-batches: with
+        ``micro_batch`` below a rank's share of the global batch, more than ``len`` of them.
+        """
+        return self.sampler.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
         self.run._start_epoch()
-        plan = plan_epoch(self.sampler, self.micro_batch)
-        self._plan_sampler.plan = plan
+        plan = plan_epoch(self.sampler, self.micro_batch)  # rolls over to the next epoch when due
+        self._plan_sampler.plan, self._plan_sampler.epoch = plan, self.epoch
+        self.dataloader.dataset.draws = None  # test again, each epoch, whether the dataset draws
         self._generator.manual_seed(hash((self.sampler.seed, self.epoch, self.sampler.state.consumed)))
         batches = iter(self.dataloader)
         cycle, device = self.run.cycle, self.run.device
+        done = -(-self.sampler.state.consumed // self.sampler.global_batch)  # steps taken this epoch
+        self.run.monitor.epoch_started(self.epoch, done, self.steps_per_epoch, cycle.steps)
         move = device.type != "cpu"  # the DataLoader's batches are on the CPU already
         for micro in plan:
             if micro.first and not cycle.begin(self):
@@ -195,6 +260,7 @@ class Loader:
             cycle.enter(micro)
             yield to_device(batch, device) if move else batch
         cycle.finish()
+        cycle.outside = True
 
     def state_dict(self) -> dict:
         """The position: samples of the current epoch the world has consumed (not prefetched)."""

@@ -101,7 +101,8 @@ class Monitor:
         self.env, self.cfg, self.out = env, cfg, out
         self.clock = StepClock()
         self.window = Window(env.device, self.clock)
-        self.user: dict[str, list[float]] = {}
+        self.user: dict[str, list[float]] = {}  # run.log in a step: name -> [sum, count]
+        self.between: dict[str, list[float]] = {}  # run.log between steps: name -> [sum, count]
         self.bar: tqdm | None = None
         self.metrics = MetricsLog(out / "metrics.jsonl") if out is not None and env.is_rank0 else None
         self.watchdog: HangWatchdog | None = None
@@ -145,13 +146,27 @@ class Monitor:
             truncate_after(self.metrics.path, step)
         if self.cfg.log_samples and self.out is not None:
             self._truncate_samples(step)
+        show = self.env.is_rank0 and self.cfg.progress
+        if show and any(not bar.disable for bar in list(tqdm._instances)):
+            # The user's own bar (tqdm(loader), an epoch bar) is open: two bars would interleave.
+            log.info("your own progress bar is open, so ddpkit shows none (progress=False says so)")
+            show = False
         self.bar = tqdm(
-            total=total, initial=step, unit="step", dynamic_ncols=True,
-            disable=not (self.env.is_rank0 and self.cfg.progress),
+            total=total, initial=step, unit="step", dynamic_ncols=True, disable=not show
         )  # fmt: skip
         self.window.reset()
         self.window.last_end = self.window.start
         self.start_step = self.logged_step = step
+
+    def epoch_started(self, epoch: int, done: int, per_epoch: int, steps: int | None) -> None:
+        """An epoch's loop begins with ``done`` of its ``per_epoch`` steps taken: the bar counts the
+        epoch's steps, or the run's when it has a step limit."""
+        if self.bar is None or self.bar.disable:
+            return
+        if steps is None:
+            self.bar.reset(total=per_epoch)
+            self.bar.update(done)
+        self.bar.set_description(f"epoch {epoch}", refresh=False)
 
     def samples_taken(self, step: int, indices: list[int]) -> None:
         """Append this rank's indices of ``step`` to OUT/samples/rank{R}.jsonl (with log_samples)."""
@@ -163,8 +178,9 @@ class Monitor:
         """A batch arrived; the time since ``start`` went to data."""
         self.clock.data_s += time.perf_counter() - start
 
-    def add_user(self, name: str, value: float | Tensor) -> None:
-        total = self.user.setdefault(name, [0.0, 0])
+    def add_user(self, name: str, value: float | Tensor, between: bool = False) -> None:
+        """A run.log value: for the window's line, or (``between`` steps) for a line of its own."""
+        total = (self.between if between else self.user).setdefault(name, [0.0, 0])
         total[0] += value.detach().double() if isinstance(value, Tensor) else float(value)
         total[1] += 1
 
@@ -191,6 +207,21 @@ class Monitor:
         preemption every rank agreed on); the resumed run continues after that line."""
         if self._pending is not None:
             self._finish_gather()
+
+    def flush_between(self, step: int, extra: dict) -> None:
+        """Gather what any rank logged between steps and write it as a line of ``step``: each value
+        once, never mixed with another epoch's. Collective: every rank calls it at the same point."""
+        self.flush()  # the last step's own line first
+        self.phase(step, "log: metrics logged between steps, all_gather_object")
+        mine = {name: (float(total), count) for name, (total, count) in self.between.items()}
+        self.between = {}
+        everyone: list[dict | None] = [None] * self.env.world_size
+        dist.all_gather_object(everyone, mine)
+        means = _means(everyone)
+        if means and self.metrics is not None:
+            self.metrics.write({"step": step, **extra, **means})
+        if means and self.bar is not None:
+            self.bar.set_postfix(means, refresh=False)
 
     def _start_gather(self, step: int, extra: dict, signal: int) -> None:
         self.phase(step, "log: loss, timings and metrics all_gather")

@@ -232,12 +232,21 @@ class Run(RunEnd):
         if micro is not None:
             self.monitor.window.add_loss(loss, micro.samples)
         self.cycle.has_backward = True
+        self.cycle.held.restore()  # the step's earlier micro-batches' gradients, to add to
         self.monitor.clock.backward(self.scaler.scale(loss * scale if scale != 1.0 else loss))
+        if micro is not None and not micro.last:
+            # Until the step's last backward, p.grad is None: a clip_grad_norm_ or any other edit
+            # the user's loop makes before optimizer.step() then acts on the whole step's
+            # all-reduced gradient, as without micro_batch, never on a partial local one.
+            self.cycle.held.hold()
 
     def log(self, **metrics: float | torch.Tensor) -> None:
-        """Record metrics for this step; each metrics line holds their mean over ranks and steps."""
+        """Record metrics: in a step, for the metrics line, which holds their mean over ranks and the
+        steps since the last line; between steps (after an epoch, say an eval), for a line of their
+        own, with the step they follow, written before the next step, checkpoint or the run's end.
+        Any subset of ranks may log; a value is written once."""
         for name, value in metrics.items():
-            self.monitor.add_user(name, value)
+            self.monitor.add_user(name, value, between=not self.cycle.open)
 
     def save(self) -> None:
         """Checkpoint at the end of the current step (now, between epochs). All ranks call it."""
@@ -252,6 +261,27 @@ class Run(RunEnd):
         self.monitor.phase(self.step, "eval: metric sums all_gather")
         with local_forwards(list(self.models.values())):
             return evaluate(dataset, fn, self.env, list(self.models.values()), **kwargs)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank, 0 to ``world_size - 1``."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (its GPU's index when there are GPUs)."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes in the run."""
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the one that writes files and logs. Calls that every rank must
+        make (``save``, ``evaluate``, ``finish``) do not belong under ``if run.is_main``."""
+        return self.env.is_rank0
 
     @property
     def step(self) -> int:

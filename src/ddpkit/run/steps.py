@@ -68,6 +68,11 @@ class StepCycle:
         self.loader: Loader | None = None
         self.micro: Micro | None = None
         self.open = self.has_backward = self.save_now = False
+        # Between steps: before the loop's first and after each epoch's last. Every rank is there at
+        # the same points, so run.log values from there are gathered for a line of their own.
+        self.outside = True
+        self.epoch = 0  # the epoch of the last step begun
+        self.held = HeldGrads(models)
         self.indices: list[int] = []
         self.preemption, self.on_preempt = preemption, on_preempt
         self.replicas = ReplicaCheck(env, monitor, models)
@@ -81,7 +86,12 @@ class StepCycle:
         """Close the previous step and open the next; False once the run's last step is done."""
         self.finish()
         if self.steps is not None and self.step >= self.steps:
+            self.outside = True
             return False
+        if self.outside:
+            self.flush_between()
+            self.outside = False
+        self.epoch = loader.epoch
         self.loader, self.step = loader, self.step + 1
         self.open, self.has_backward, self.indices = True, False, []
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
@@ -100,6 +110,7 @@ class StepCycle:
         """Close the open step (its position, log line, fingerprint check, checkpoint)."""
         ended = self.open
         if ended:
+            self.held.restore()  # a loop left mid-step: the gradients are the user's again
             self.scaler.update()
             self.loader.sampler.advance_to(self.micro.consumed)
             self.monitor.samples_taken(self.step, self.indices)
@@ -114,6 +125,8 @@ class StepCycle:
         if logged is not None:
             record, number = logged
             self._pace(record)
+        if last and self.outside:
+            self.flush_between()  # what was logged after the last epoch, before the last checkpoint
         if self.replicas.pending:
             self.replicas.finish()
         every = self.ckpt_cfg.save_every
@@ -138,6 +151,10 @@ class StepCycle:
             self.monitor.flush()  # written already when the step was checkpointed just now
             self.on_preempt(number, self.step)
 
+    def flush_between(self) -> None:
+        """Write what run.log got between steps as a line of the last step's. Collective."""
+        self.monitor.flush_between(self.step, {"epoch": self.epoch})
+
     def _pace(self, record: dict) -> None:
         # From the gathered median step, so every rank computes the same pace for the agreement.
         if record["step_s"] > 0:
@@ -157,8 +174,10 @@ class StepCycle:
         if self.out is None:
             raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
         self.save_now, self.saved_step = False, self.step
-        # The step's log line first: a run killed after this checkpoint resumes after that line.
+        # The step's log lines first: a run killed after this checkpoint resumes after them.
         self.monitor.flush()
+        if self.outside:
+            self.flush_between()
         self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
         path = state.save(
             self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg.keep_last
@@ -203,6 +222,36 @@ class StepCycle:
         optimizer.zero_grad(set_to_none=True)
         log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, value)
         return None
+
+
+class HeldGrads:
+    """The gradients of a step's earlier micro-batches, held aside while the user's loop runs.
+
+    ``hold`` after a backward that does not end the step, ``restore`` before the next backward:
+    autograd then adds to them as without holding (the same tensors, so an engine's gradient
+    views stay its own), and in between every ``p.grad`` of the run's models is None. A gradient
+    edit in that gap (a clip_grad_norm_ written for one batch a step) then changes nothing; at the
+    step's last micro-batch it sees the whole step's all-reduced gradient, as without micro_batch.
+    """
+
+    def __init__(self, models: dict[str, nn.Module]) -> None:
+        self.models = models
+        self.held: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def hold(self) -> None:
+        for model in self.models.values():
+            for param in unwrap(model).parameters():
+                if param.grad is not None:
+                    self.held.append((param, param.grad))
+                    param.grad = None
+
+    def restore(self) -> None:
+        if not self.held:
+            return
+        held, self.held = self.held, []
+        for param, grad in held:
+            # A gradient made meanwhile outside run.backward is kept, and added to.
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 
 class ReplicaCheck:
