@@ -1,0 +1,92 @@
+"""A single-device training script ported to ddpkit.Run by the README, keeping five habits of
+single-device code. tests/run/test_run_habits.py runs it under `ddpkit run` and holds ddpkit to
+what the same script means on one device:
+
+1. the LR schedule is sized by ``EPOCHS * len(loader)``;
+2. the dataset draws a random flip and jitter in ``__getitem__``, in 2 DataLoader workers;
+3. the loop clips the gradient itself with ``clip_grad_norm_`` before ``optimizer.step()``;
+4. a per-epoch validation accuracy is logged with ``run.log`` after each epoch;
+5. with ``--rank0-save``, a checkpoint is asked for on rank 0 only (the classic bug: a collective
+   only one rank calls), which ddpkit must report instead of hanging.
+
+Flags: --out, --micro-batch N, --kill-at STEP (rank 0 SIGKILLs itself after that step),
+--rank0-save.
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import ddpkit
+
+EPOCHS = 3
+
+
+class Flips(Dataset):
+    """4x4 one-channel 'images' with a random horizontal flip and jitter in __getitem__."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 1, 4, 4, generator=gen)
+        self.y = (self.x[..., :2].mean((1, 2, 3)) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        return x + 0.1 * torch.randn_like(x), self.y[i]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--rank0-save", action="store_true")
+    args = parser.parse_args()
+
+    run = ddpkit.Run(
+        out=args.out, global_batch=12, micro_batch=args.micro_batch, save_every=2, log_every=1,
+        progress=False,
+    )  # fmt: skip
+    model = run.setup(nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = run.loader(Flips(60, seed=0), num_workers=2)
+    total = EPOCHS * len(loader)  # the schedule's length, as on one device
+    # Linear warm-up and decay, HF's get_linear_schedule_with_warmup written out: the length lives
+    # in the closure, not in the scheduler's state_dict, so a resume keeps whatever len() said.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 3) * max(0.0, (total - step) / total)
+    )
+    run.track(optimizer, scheduler)
+    held_out = Flips(30, seed=1)
+    held_out = TensorDataset(held_out.x, held_out.y)
+
+    for epoch in range(loader.epoch, EPOCHS):
+        model.train()
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            run.backward(loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+            optimizer.step()
+            scheduler.step()
+            if run.step == args.kill_at and run.rank == 0 and run.at_step_end:
+                os.kill(os.getpid(), signal.SIGKILL)
+        accuracy = run.evaluate(held_out, lambda batch: (model(batch[0]).argmax(1) == batch[1]).float().mean())
+        run.log(val_acc=accuracy["value"])
+        if args.rank0_save and run.rank == 0:
+            run.save()
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
