@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from tqdm import tqdm
 
 from ddpkit.dist import DistEnv
 
 
-class _AboveBars(logging.StreamHandler):
-    """Writes each line above the progress bars (tqdm.write) instead of into the bar's line."""
+class _AboveBars(logging.Handler):
+    """Writes each line to stderr above the progress bar (tqdm.write), not into the bar's line."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            tqdm.write(self.format(record), file=self.stream)
-            self.flush()
+            # sys.stderr as it is now: a script (or a test) may have replaced it since setup.
+            tqdm.write(self.format(record), file=sys.stderr)
+            sys.stderr.flush()
         except Exception:
             self.handleError(record)
 

@@ -1,0 +1,147 @@
+"""The single-device habits of tests/run/test_run_habits.py, one by one, in a world of one (fast)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+from tqdm import tqdm
+
+import ddpkit
+from ddpkit.run.loader import EpochIndices, _SeededFetch
+
+
+class Jitter(Dataset):
+    """A sample plus noise from all three global generators, drawn in __getitem__."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i + random.random(), np.random.rand(), torch.rand(()).item()])
+
+
+def _indices(values: list[int], epoch: int) -> EpochIndices:
+    indices = EpochIndices(values)
+    indices.epoch = epoch
+    return indices
+
+
+def test_a_sample_draws_the_same_whatever_batch_fetches_it():
+    fetch = _SeededFetch(Jitter(), seed=3)
+    together = fetch.__getitems__(_indices([4, 7, 1], epoch=0))
+    alone = [fetch.__getitems__(_indices([i], epoch=0))[0] for i in (4, 7, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+    assert not torch.equal(fetch.__getitems__(_indices([4], epoch=1))[0], together[0])  # a new epoch
+
+
+def test_fetching_leaves_the_training_process_generators_alone():
+    fetch = _SeededFetch(Jitter(), seed=3)
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    fetch.__getitems__(_indices([0, 1], epoch=0))
+    assert torch.equal(torch.rand(3), expected)  # dropout after a batch draws what it would have
+
+
+def test_a_dataset_that_draws_nothing_is_not_reseeded():
+    fetch = _SeededFetch(TensorDataset(torch.arange(6.0)), seed=0)
+    fetch.__getitems__(_indices([0, 1], epoch=0))
+    assert fetch.draws is False
+
+
+def _data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(20, 6, generator=gen), torch.randn(20, 2, generator=gen))
+
+
+def _train_with_own_clip(out, micro_batch: int | None) -> dict:
+    run = ddpkit.Run(out=out, global_batch=8, micro_batch=micro_batch, progress=False, log_every=1)
+    torch.manual_seed(3)
+    model = run.setup(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    run.track(optimizer)
+    loader = run.loader(_data())
+    norms = []
+    for epoch in range(loader.epoch, 2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            run.backward(F.mse_loss(model(x), y))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)))
+            optimizer.step()
+    weights = {k: v.clone() for k, v in model.module.state_dict().items()}
+    run.finish()
+    return {"weights": weights, "norms": norms}
+
+
+def test_own_clip_with_micro_batches_is_the_update_without(tmp_path):
+    whole, micro = (_train_with_own_clip(tmp_path / str(m), m) for m in (None, 2))
+    for key, value in whole["weights"].items():
+        torch.testing.assert_close(micro["weights"][key], value, rtol=1e-6, atol=1e-7)
+    # Earlier micro-batches see no gradient (norm 0); a step's last sees the whole step's.
+    assert [n for n in micro["norms"] if n > 0] == pytest.approx(whole["norms"], rel=1e-5)
+    assert min(whole["norms"]) > 0.01  # the clip really clipped
+
+
+def test_len_is_the_steps_of_an_epoch_at_every_point(tmp_path):
+    run = ddpkit.Run(out=tmp_path, global_batch=8, micro_batch=2, progress=False)
+    run.setup(nn.Linear(6, 2))
+    loader = run.loader(_data())
+    assert len(loader) == loader.steps_per_epoch == 3  # 8 + 8 + 4; micro-batches are 10
+    loader.load_state_dict({**loader.state_dict(), "consumed": 16})  # what a resume mid-epoch does
+    assert len(loader) == 3
+    run.close()
+
+
+def test_values_logged_between_steps_get_a_line_of_their_own(tmp_path):
+    run = ddpkit.Run(out=tmp_path, global_batch=10, progress=False, log_every=1, save_every=0)
+    model = run.setup(nn.Linear(6, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    loader = run.loader(_data())
+    for epoch in range(loader.epoch, 3):
+        for x, y in loader:
+            optimizer.zero_grad()
+            run.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            run.log(in_step=1.0 + run.step)  # averaged into the step's line
+        run.log(val=float(epoch))
+        run.log(val=float(epoch) + 0.5)  # twice between the same steps: their mean, once
+        if epoch == 1:
+            run.save()  # the value is written before the checkpoint, not dropped
+    run.finish()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["val"]) for line in lines if "val" in line] == [(2, 0.25), (4, 1.25), (6, 2.25)]
+    assert [line["in_step"] for line in lines if "loss" in line] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert [line["step"] for line in lines] == [1, 2, 2, 3, 4, 4, 5, 6, 6]  # each after its step's line
+
+
+def test_one_progress_bar_with_the_epochs_total(tmp_path, capsys):
+    run = ddpkit.Run(out=tmp_path, global_batch=8, progress=True)
+    model = run.setup(nn.Linear(6, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    loader = run.loader(_data())
+    for _ in loader:
+        pass
+    bar = run.monitor.bar
+    run.finish()
+    assert (bar.desc.startswith("epoch 0"), bar.total, bar.n) == (True, 3, 3)
+    assert "epoch 0: 100%" in capsys.readouterr().err
+
+
+def test_the_users_own_bar_turns_ddpkits_off(tmp_path):
+    run = ddpkit.Run(out=tmp_path, global_batch=8, progress=True)
+    run.setup(nn.Linear(6, 2))
+    loader = run.loader(_data())
+    with tqdm(total=len(loader)) as own:
+        for _ in loader:
+            own.update(1)
+        assert run.monitor.bar.disable
+    run.finish()
