@@ -63,6 +63,10 @@ class DiagnosticsConfig:
         collective_timeout: seconds a rank may spend without progress in a collective before the
             watchdog names the ranks that are behind, prints every rank's stack and ends the run;
             0 disables. Generous by default: a slow rank is not a hung one.
+        desync_timeout: seconds every rank may wait inside a collective while the ranks wait in
+            different ones (a collective only some ranks called, such as a run.save() under
+            ``if run.is_main``) before the watchdog reports the desync and ends the run; a slow
+            rank that is not inside a collective is never taken for one. 0 disables.
         startup_timeout: seconds every rank may take to join the process group (a node still
             pulling its container, a slow import) before start-up fails; after that the
             collective timeout applies.
@@ -74,6 +78,7 @@ class DiagnosticsConfig:
     check_every: int | None = None
     rank_table_every: int = 0
     collective_timeout: float = 1800.0
+    desync_timeout: float = 30.0
     startup_timeout: float = 600.0
     progress: bool = True
     log_samples: bool = False
@@ -83,7 +88,7 @@ class DiagnosticsConfig:
             raise ConfigError(f"log_every={self.log_every} is below 1; use a positive number of steps")
         if not 0 < self.startup_timeout < float("inf"):
             raise ConfigError(f"startup_timeout={self.startup_timeout} must be a positive number of seconds")
-        for name in ("check_every", "rank_table_every", "collective_timeout"):
+        for name in ("check_every", "rank_table_every", "collective_timeout", "desync_timeout"):
             if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is below 0; use 0 to disable")
 
@@ -108,7 +113,9 @@ class Monitor:
         self.watchdog: HangWatchdog | None = None
         if cfg.collective_timeout and env.world_size > 1:  # one process cannot wait for another
             report = out / "hang-report.txt" if out is not None else None
-            self.watchdog = HangWatchdog(env, cfg.collective_timeout, report_path=report).start()
+            self.watchdog = HangWatchdog(
+                env, cfg.collective_timeout, report_path=report, desync_s=cfg.desync_timeout
+            ).start()
         self.start_step = self.logged_step = -1
         self.every = cfg.log_every or LOG_EVERY[0]  # steps between log lines, for now
         # ... and between replica checks (0: none)
