@@ -166,6 +166,23 @@ def _restart_safe_agent_store(init_method: str, timeout: timedelta) -> dist.Stor
     return dist.PrefixStore(f"ddpkit/attempt{attempt}", client)
 
 
+def job_store(timeout: timedelta) -> dist.Store | None:
+    """A store every rank of this job (and restart attempt) shares, for a word between ranks
+    outside any collective: torchrun's agent store when it shares one (it outlives every worker),
+    else the default process group's; None with neither.
+
+    Args:
+        timeout: how long connecting to the agent's store and each wait on it may take.
+    """
+    try:
+        store = _restart_safe_agent_store("env://", timeout)
+        if store is None and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+    except Exception:  # the agent is gone, or the group half torn down: no word to share
+        return None
+    return store
+
+
 def _check_init_method(init_method: str) -> None:
     if not init_method.startswith(("env://", "tcp://", "file://")):
         raise ConfigError(

@@ -19,7 +19,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from ddpkit.dist import cpu_cores
 from ddpkit.errors import ConfigError
-from ddpkit.launch.failures import WorkerFailure
+from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error
 from ddpkit.launch.monitor import HangMonitor
 from ddpkit.launch.ports import check_port_free
 from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
@@ -255,8 +255,8 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
             monitoring (``ddpkit train`` has its own, in the workers).
 
     Raises:
-        ConfigError: a bad flag, found before anything starts, or bad multi-node input found at
-            the rendezvous (see ``ddpkit.launch.rendezvous``).
+        ConfigError: a bad flag, found before anything starts, bad multi-node input found at
+            the rendezvous (see ``ddpkit.launch.rendezvous``), or a worker's own ConfigError.
         WorkerFailure: a worker failed (after any restarts); the message names the rank, or the hang.
         Stopped: a signal stopped the launcher (``ddpkit.launch.stopping``); its line is printed,
             and the exit code is 128 + the signal.
@@ -276,12 +276,14 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
         with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
             stop = StopOnSignal(signals, float(grace))
             try:
-                with stop, failure_grace(grace):
+                with stop, failure_grace(grace), quiet_after_user_error(run_dir):
                     if watched:
                         monitor.start()
                     try:
                         launch_agent(ns, monitor)
                     except ChildFailedError as exc:
+                        if (error := user_error(run_dir)) is not None:
+                            raise error from None  # a worker's ConfigError: one line, exit code 2
                         raise _failure(exc, monitor, run_dir) from None
                     except torch.distributed.DistStoreError:
                         # torch's agent timed out waiting for another node's role in the round.

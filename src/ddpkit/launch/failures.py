@@ -7,11 +7,16 @@ earliest failure that is not such a consequence.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from ddpkit.errors import ConfigError
 
 # What gloo and NCCL say when the other end of a collective went away: a consequence, not a cause.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
@@ -121,3 +126,44 @@ def _root_failure(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
     by_time = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
     causes = [item for item in by_time if not mentions_peer_gone(str(item[1].message))]
     return (causes or by_time)[0]
+
+
+# A `ddpkit run` worker that raised a ConfigError leaves its message in RUN_DIR/config-error-RANK
+# (launch/workerboot/sitecustomize.py) and prints nothing; the launcher prints it once.
+CONFIG_ERROR = "config-error-"
+
+
+def user_error(run_dir: Path) -> ConfigError | None:
+    """The ConfigError a worker of this node raised: rank 0's if it did, else the lowest rank's."""
+    found = {}
+    for path in run_dir.glob(f"{CONFIG_ERROR}*"):
+        rank = path.name[len(CONFIG_ERROR) :]
+        if rank.isdigit():
+            found[int(rank)] = path.read_text(encoding="utf-8", errors="replace")
+    return ConfigError(found[min(found)]) if found else None
+
+
+@contextlib.contextmanager
+def quiet_after_user_error(run_dir: Path) -> Iterator[None]:
+    """Without torch's lines about stopping the other workers and the first one's exit code, once
+    a worker has left a ConfigError: the launcher's one line says what went wrong."""
+    quiet = _QuietAfterUserError(run_dir)
+    TORCH_PROCS_LOG.addFilter(quiet)
+    try:
+        yield
+    finally:
+        TORCH_PROCS_LOG.removeFilter(quiet)
+
+
+TORCH_PROCS_LOG = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+TORCH_STOPPING = ("failed (exitcode", "Sending process")  # its lines as the other workers are stopped
+
+
+class _QuietAfterUserError(logging.Filter):
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__()
+        self.run_dir = run_dir
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        stopping = isinstance(record.msg, str) and record.msg.startswith(TORCH_STOPPING)
+        return not (stopping and any(self.run_dir.glob(f"{CONFIG_ERROR}*")))

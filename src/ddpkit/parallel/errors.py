@@ -16,13 +16,16 @@ class DataParallelError(ConfigError, RuntimeError):
 
 
 def unfinished_pass(missing: list[str]) -> DataParallelError:
-    """The error for a backward pass in which ``missing`` parameters got no gradient."""
-    return DataParallelError(
+    """The error for a backward pass in which ``missing`` parameters got no gradient; it keeps
+    their names in ``missing``, for callers that word the fix their own way (``ddpkit.Run``)."""
+    error = DataParallelError(
         f"DataParallel: {len(missing)} parameter(s) got no gradient in the last backward pass, "
         f"so their buckets were never reduced: {', '.join(missing[:8])}"
         f"{' ...' if len(missing) > 8 else ''}. Pass find_unused_parameters=True to "
         "DataParallel if the model leaves some parameters out of the loss, or remove them"
     )
+    error.missing = list(missing)
+    return error
 
 
 def ready_too_often(name: str, fired: int, expected: int) -> RuntimeError:

@@ -156,7 +156,7 @@ class Run(RunEnd):
         name = self._new_name(name, "model")
         check_same_model(model, self.env)
         if self._saved is not None and name in self._saved["state"]:
-            load_weights(model, self._saved["state"][name], name, self._resume_path)
+            load_weights(unwrap(model), self._saved["state"][name], name, self._resume_path)
         self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
         wrapped = wrap(model, self.env, self.engine_cfg)
         self.models[name], self.objects[name] = wrapped, unwrap(wrapped)

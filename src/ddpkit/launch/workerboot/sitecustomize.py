@@ -15,7 +15,9 @@ while it starts, before the script. Only the worker process itself (the elastic 
   sequence number to ``RUN_DIR/progress-RANK`` when it changes (one read of a counter and at
   most one small write per period);
 - an uncaught exception is also written to torchelastic's error file, as ``@record`` would, so
-  the launcher names it.
+  the launcher names it. A ddpkit ``ConfigError`` is not printed: the worker leaves its message in
+  ``RUN_DIR/config-error-RANK`` and exits with code 2, and the launcher prints it as one line; a
+  rank whose collective failed because such a peer left exits quietly too.
 
 Then a sitecustomize of the user's own, further along sys.path, is run as Python would have.
 Only the standard library is imported here: every Python process of the job pays for it.
@@ -37,6 +39,7 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _kept: list = []  # files faulthandler writes to: they must outlive this module's functions
 _progress: list = []  # [(run_dir, rank, period_s), stop event, thread] of the progress thread
+WORKER = False  # True in a worker the launcher started (not in its descendants)
 
 
 def _die_with_agent(agent_pid: int) -> None:
@@ -147,8 +150,9 @@ def resume_progress() -> None:
         _start_progress(*_progress[0])
 
 
-def _record_uncaught(previous):
-    """An excepthook that also writes torchelastic's error file, in ``@record``'s format."""
+def _record_uncaught(previous, run_dir: str, rank: str):
+    """An excepthook that also writes torchelastic's error file, in ``@record``'s format, and
+    leaves a ConfigError (and a peer's consequence of one) to the launcher to print."""
 
     def hook(exc_type, exc, tb):
         path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -160,9 +164,45 @@ def _record_uncaught(previous):
                     json.dump({"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": info}}, f)
             except OSError:
                 pass  # the traceback still reaches stderr below
+        if _is_config_error(exc_type) and _mark(os.path.join(run_dir, f"{CONFIG_ERROR}{rank}"), str(exc)):
+            raise SystemExit(2)  # from an excepthook: Python runs atexit, then exits with 2
+        if _after_peer_config_error(exc, run_dir, rank):
+            raise SystemExit(1)
         previous(exc_type, exc, tb)
 
     return hook
+
+
+CONFIG_ERROR = "config-error-"  # + rank: the message of that rank's ConfigError (failures.py reads it)
+
+
+def _is_config_error(exc_type) -> bool:
+    config_error = getattr(sys.modules.get("ddpkit.errors"), "ConfigError", None)
+    return config_error is not None and issubclass(exc_type, config_error)
+
+
+def _mark(path: str, message: str) -> bool:
+    try:  # written whole, then renamed: the launcher never reads half a message
+        with open(path + ".tmp", "w") as f:
+            f.write(message)
+        os.replace(path + ".tmp", path)
+        return True
+    except OSError:
+        return False  # the traceback below says it instead
+
+
+def _after_peer_config_error(exc, run_dir: str, rank: str) -> bool:
+    """True for a collective that failed because a peer on this node left with a ConfigError."""
+    try:
+        mine = f"{CONFIG_ERROR}{rank}"
+        names = os.listdir(run_dir)
+        if not any(n.startswith(CONFIG_ERROR) and n != mine and not n.endswith(".tmp") for n in names):
+            return False
+        from ddpkit.launch.failures import is_peer_failure  # at the error: torch is loaded by now
+
+        return is_peer_failure(exc)
+    except Exception:
+        return False
 
 
 def _run_user_sitecustomize() -> None:
@@ -185,7 +225,13 @@ def _main() -> None:
     _die_with_agent(int(agent))
     run_dir, rank = env["DDPKIT_RUN_DIR"], env["RANK"]
     _register_stacks(run_dir, rank)
-    sys.excepthook = _record_uncaught(sys.excepthook)
+    try:  # a restarted worker: its previous attempt's ConfigError is no longer news
+        os.unlink(os.path.join(run_dir, f"{CONFIG_ERROR}{rank}"))
+    except OSError:
+        pass
+    sys.excepthook = _record_uncaught(sys.excepthook, run_dir, rank)
+    global WORKER
+    WORKER = True  # ddpkit.launch.uncaught leaves this worker's uncaught exceptions to the hook above
     if float(env.get("DDPKIT_PROGRESS_S", "0")) > 0:
         _start_progress(run_dir, rank, float(env["DDPKIT_PROGRESS_S"]))
         # Stop before interpreter shutdown tears torch down under the thread: threading's own
