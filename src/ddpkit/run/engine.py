@@ -43,7 +43,7 @@ class EngineConfig:
             a backward pass that leaves some out stops the next forward with one line naming them.
         compression: None, ``bf16``, ``fp16``, ``powersgd`` (rank 1, torch's) or
             ``powersgd:RANK[:START_ITER]`` gradient compression (both engines; ``powersgd:8``
-            keeps the bench GPT's loss within 3.5% of uncompressed over 3 seeds, see the README).
+            keeps the bench GPT's loss within 3.5% of uncompressed over 3 seeds, see docs/engine.md).
         sync_batchnorm: turn BatchNorm layers into SyncBatchNorm (GPUs only: torch refuses CPU).
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a GradScaler, GPU only).
