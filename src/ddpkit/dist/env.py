@@ -1,9 +1,15 @@
 """Where ranks come from: the variables a launcher set, read once into plain values.
 
-Three launchers are understood, in this order:
+These launchers are understood, in this order:
 
-- torchrun / ``ddpkit run`` / ``ddpkit train`` (the elastic agent) and ``ddpkit.launch``:
+- torchrun / ``ddpkit run`` / ``ddpkit train`` (the elastic agent), ``ddpkit.launch``, Ray Train:
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT.
+- a Kubeflow PyTorchJob pod running the script as its one process: RANK (the pod's index),
+  WORLD_SIZE, MASTER_ADDR, MASTER_PORT and torchrun's PET_NNODES, without LOCAL_RANK. A pod that
+  runs ``ddpkit run`` or torchrun instead is the first case: they read PET_* themselves.
+- mpirun: Open MPI's OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}, or MPICH's and Intel
+  MPI's PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS; MASTER_ADDR and MASTER_PORT from
+  the user. Before SLURM: mpirun inside an sbatch script inherits the batch step's SLURM_PROCID.
 - SLURM's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID and the task layout.
 - nothing: one process, a world of size 1.
 
@@ -35,7 +41,8 @@ class DistEnv:
         node_rank: index of this node, 0 .. num_nodes - 1.
         device: the device this process computes on.
         backend: the process-group backend: ``gloo``, ``nccl`` or ``mpi``.
-        launcher: who started the process: ``elastic``, ``ddpkit``, ``slurm`` or ``none``.
+        launcher: who started the process: ``elastic``, ``ddpkit``, ``env``, ``pytorchjob``,
+            ``mpi``, ``slurm`` or ``none``.
         restart_count: how many times the elastic agent has restarted the workers (0 on the first run).
     """
 
@@ -78,7 +85,7 @@ class LauncherVars:
         world_size: processes in the job.
         local_world_size: processes on this node.
         node_rank: index of this node.
-        launcher: ``elastic``, ``ddpkit``, ``slurm`` or ``none``.
+        launcher: ``elastic``, ``ddpkit``, ``env``, ``pytorchjob``, ``mpi``, ``slurm`` or ``none``.
         init_method: the rendezvous URL these variables imply, or None for a world of one.
         restart_count: the elastic agent's TORCHELASTIC_RESTART_COUNT.
     """
@@ -101,7 +108,11 @@ def read_launcher_vars(environ: Mapping[str, str] | None = None) -> LauncherVars
     """
     environ = os.environ if environ is None else environ
     if "RANK" in environ and "WORLD_SIZE" in environ:
+        if "LOCAL_RANK" not in environ and "PET_NNODES" in environ:
+            return _from_pytorchjob_pod(environ)
         return _from_torch_vars(environ)
+    if "OMPI_COMM_WORLD_RANK" in environ or "PMI_RANK" in environ:
+        return _from_mpi(environ)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         return _from_slurm(environ)
     return LauncherVars()
@@ -133,6 +144,69 @@ def _from_torch_vars(environ: Mapping[str, str]) -> LauncherVars:
         launcher=launcher,
         init_method="env://",
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+    )
+
+
+def _from_pytorchjob_pod(environ: Mapping[str, str]) -> LauncherVars:
+    """A PyTorchJob pod whose one process is the script itself: RANK is the pod's index.
+
+    The operator counts WORLD_SIZE as pods times PET_NPROC_PER_NODE (1 for its default "auto"),
+    so a number above 1 there means processes that only torchrun would start: without them the
+    rendezvous would wait for ranks that never come.
+    """
+    nproc = environ.get("PET_NPROC_PER_NODE", "1")
+    if nproc.isdigit() and int(nproc) > 1:
+        raise ConfigError(
+            f"PET_NPROC_PER_NODE={nproc} asks for {nproc} processes in this pod, but the script was "
+            "started as one plain process; start it with `ddpkit run script.py` (it reads PET_*), "
+            'or set nprocPerNode: "1" in the PyTorchJob'
+        )
+    rank = _int(environ, "RANK")
+    return LauncherVars(
+        rank=rank,
+        world_size=_int(environ, "WORLD_SIZE"),
+        node_rank=rank,  # one process per pod: each pod is a node
+        launcher="pytorchjob",
+        init_method="env://",  # the operator sets MASTER_ADDR and MASTER_PORT
+    )
+
+
+# (rank, world size, local rank, local world size) as each MPI launcher names them.
+MPI_VARS = {
+    "Open MPI": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "MPICH or Intel MPI": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}  # fmt: skip
+# How each passes a variable to every rank.
+MPI_EXPORT = {
+    "Open MPI": "-x MASTER_ADDR={addr} -x MASTER_PORT={port}",
+    "MPICH or Intel MPI": "-genv MASTER_ADDR {addr} -genv MASTER_PORT {port}",
+}
+
+
+def _from_mpi(environ: Mapping[str, str]) -> LauncherVars:
+    """Ranks from mpirun; where rank 0 listens from MASTER_ADDR and MASTER_PORT, which mpirun never
+    sets: without them no rank could find the others, so their absence is an error, not a wait."""
+    flavour = "Open MPI" if "OMPI_COMM_WORLD_RANK" in environ else "MPICH or Intel MPI"
+    rank_var, size_var, local_rank_var, local_size_var = MPI_VARS[flavour]
+    rank, world_size = _int(environ, rank_var), _int(environ, size_var)
+    local_world_size = _int(environ, local_size_var, world_size)
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(name)]
+    if missing:
+        example = MPI_EXPORT[flavour].format(addr="node0", port=29500)
+        raise ConfigError(
+            f"{flavour}'s mpirun started this process ({rank_var}={rank}) but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set; pass rank 0's host and a free port to "
+            f"every rank: mpirun {example} ..."
+        )
+    return LauncherVars(
+        rank=rank,
+        local_rank=_int(environ, local_rank_var, 0),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=rank // local_world_size,  # mpirun's default mapping fills one node, then the next
+        launcher="mpi",
+        init_method=f"tcp://{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}",
     )
 
 
