@@ -12,6 +12,8 @@ rendezvous store whenever it changes. Each watchdog thread goes through these st
         following: answer REQUEST once with a fresh state and the main thread's stack; exit
                    follow_s later, in case the launcher does not stop this rank.
     watching --(store unreachable at the timeout)--> report this rank's view alone and exit.
+    watching --(every rank blocked desync_s in different collectives, desync_probe.py)--> as at
+               the timeout, with the desync as the report's first line.
 
 A rank frozen by SIGSTOP (its watchdog thread is frozen too), dead, or holding the GIL cannot
 answer: the report shows its last published state and says it did not answer.
@@ -30,6 +32,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ddpkit.diagnostics.desync import Blocked, desync_headline, desync_line
+from ddpkit.diagnostics.desync_probe import DesyncProbe
 from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
 from ddpkit.diagnostics.hang_report import format_report, summary_line
 from ddpkit.diagnostics.hang_state import Progress, RankState
@@ -69,6 +73,9 @@ class HangWatchdog:
         poll_s: how often the watchdog thread checks progress and the store (about 2 store calls).
         report_path: a file the reporting rank also writes the report to; stderr always gets it.
         store: where ranks meet; a clone of the default group's store when None.
+        desync_s: seconds every rank may wait in its collective, the ranks' collectives
+            differing, before the job is reported as a desync (a collective only some ranks
+            called); 0 disables. A slow rank never counts (see ``desync.py``).
     """
 
     follow_s = 10.0  # extra seconds a following rank waits for its launcher before exiting itself
@@ -81,12 +88,16 @@ class HangWatchdog:
         poll_s: float = 1.0,
         report_path: Path | str | None = None,
         store: dist.Store | None = None,
+        desync_s: float = 30.0,
     ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"--collective-timeout must be a positive number of seconds, got {timeout_s!r}")
         if not 0 < poll_s < timeout_s:
             raise ConfigError(f"poll_s must be between 0 and the timeout ({timeout_s:g} s), got {poll_s!r}")
+        if not desync_s >= 0:
+            raise ConfigError(f"desync_timeout must be 0 (off) or a number of seconds, got {desync_s!r}")
         self.env, self.timeout_s, self.poll_s = env, float(timeout_s), float(poll_s)
+        self.desync_s, self._probe = float(desync_s), None
         self.report_path = Path(report_path) if report_path is not None else None
         self.answer_s = 2 * self.poll_s + 2.0  # answers come at the next poll of each rank
         self._given_store = store
@@ -120,6 +131,13 @@ class HangWatchdog:
         initialized = dist.is_available() and dist.is_initialized()
         self._group = dist.group.WORLD if initialized else None
         self._store = BoundedStore(self._given_store if self._given_store is not None else watchdog_store())
+        self._probe = None
+        if self.desync_s and self._group is not None:
+            # A blocked rank compares every desync_s / 10, at least a poll apart: the report comes
+            # seconds after desync_s, and each check is two or three store calls per blocked rank.
+            check_s = max(self.poll_s, self.desync_s / 10)
+            args = (self._group.group_name, self.desync_s, check_s, self._store, self._main_ident)
+            self._probe = DesyncProbe(self.env.rank, self.env.world_size, *args)
         self._progress = Progress(time.monotonic())
         self._answered, self._following_since = False, None
         self._stop.clear()
@@ -147,6 +165,8 @@ class HangWatchdog:
             while not self._stop.is_set():
                 self._tick(time.monotonic())
                 self._stop.wait(self.poll_s)
+            if self._probe is not None:
+                self._probe.clear()  # a record left behind would count as blocked for ever
             # Tells a later report that this rank left the watched loop rather than froze.
             self._publish(self._progress.state(self.env.rank, time.monotonic(), stopped=True))
         except Exception:
@@ -159,7 +179,8 @@ class HangWatchdog:
             # end in a false report.
             self._stop.set()
             return
-        if self._progress.observe(self._sequence_number(), self._mark, now):
+        progressed = self._progress.observe(self._sequence_number(), self._mark, now)
+        if progressed:
             self._publish(self._progress.state(self.env.rank, now))
         if not self._answered and self._store.call("check", [_REQUEST]):
             self._answer(now)
@@ -167,6 +188,9 @@ class HangWatchdog:
             self._follow(now)
         elif self._progress.idle(now) >= self.timeout_s:
             self._on_timeout(now)
+        elif self._probe is not None:
+            if desync := self._probe.tick(now, self._progress.idle(now), progressed):
+                self._on_timeout(now, desync)
 
     def _sequence_number(self) -> int:
         if self._group is None:
@@ -199,16 +223,16 @@ class HangWatchdog:
         log.error("%s reported a hang (see its report); exiting with code %d", who, HANG_EXIT_CODE)
         self._exit(HANG_EXIT_CODE)
 
-    def _on_timeout(self, now: float) -> None:
+    def _on_timeout(self, now: float, desync: list[Blocked] | None = None) -> None:
         claim = self._store.call("add", _REPORTER, 1)
         if claim is None:
             self._report_alone(now)
         elif claim == 1:
-            self._report(now)
+            self._report(now, desync)
         else:
             self._following_since = now  # a peer claimed the report; it will ask for our stack
 
-    def _report(self, now: float) -> None:
+    def _report(self, now: float, desync: list[Blocked] | None = None) -> None:
         self._store.call("set", _REQUEST, str(self.env.rank))
         states = {self.env.rank: self._fresh_state(now)}
         stacks = {self.env.rank: thread_stack(self._main_ident)}
@@ -219,9 +243,10 @@ class HangWatchdog:
                 states[rank] = last
         rank, size = self.env.rank, self.env.world_size
         path = str(self.report_path) if self.report_path is not None else ""
-        summary = {"reporter": rank, "line": summary_line(states, size, set(stacks)), "path": path}
-        self._store.call("set", SUMMARY, json.dumps(summary))
-        self._emit(format_report(rank, self.timeout_s, size, states, stacks, time.time()))
+        line = desync_line(desync) if desync else summary_line(states, size, set(stacks))
+        self._store.call("set", SUMMARY, json.dumps({"reporter": rank, "line": line, "path": path}))
+        headline = desync_headline(desync, self.desync_s) if desync else ()
+        self._emit(format_report(rank, self.timeout_s, size, states, stacks, time.time(), headline=headline))
 
     def _collect_answers(self) -> dict[int, dict]:
         """Answers of the other ranks, waiting up to ``answer_s`` for those that poll late."""

@@ -5,7 +5,7 @@ Pure formatting over the states and stacks the reporter collected, so it is test
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ddpkit.diagnostics.hang_state import RankState
 
@@ -100,6 +100,7 @@ def format_report(
     stacks: Mapping[int, str],
     now_wall: float,
     alone: str = "",
+    headline: Sequence[str] = (),
 ) -> str:
     """The whole report, as text.
 
@@ -112,10 +113,15 @@ def format_report(
         now_wall: ``time.time()`` when the report was made.
         alone: why only the reporter's own view could be gathered (the store did not answer);
             then no attribution is attempted and only the ranks in ``states`` are listed.
+        headline: what the report is about, when not the timeout (a desync, ``desync.py``); its
+            first line follows "ddpkit hang report: " as the report's first line.
     """
     listed = sorted(states) if alone else range(world_size)
+    timed_out = f"rank {reporter} made no progress for {timeout_s:g} s (--collective-timeout)"
+    first, *more = headline or [timed_out]
     lines = [
-        f"ddpkit hang report: rank {reporter} made no progress for {timeout_s:g} s (--collective-timeout)",
+        f"ddpkit hang report: {first}",
+        *more,
         *([alone] if alone else attribute(states, world_size)),
         "",
         "ranks:",

@@ -1,0 +1,148 @@
+"""Desync detection: ranks blocked in different collectives, told apart from a merely slow rank.
+
+Pure functions over flight-recorder entries and the records ranks publish, tested without
+processes; ``desync_probe.py`` runs them on the watchdog thread.
+
+The criterion. A correct program issues the same collective at every sequence number of a group
+on every rank (the rule in docs/architecture.md). So when two ranks recorded *different*
+collectives at the same sequence number of the default group, that is proof of a desync (a
+collective only some ranks called, as in ``if rank == 0: run.save()``), whatever the timing. The
+watchdog acts on it only when, besides, every rank has been idle for ``desync_s`` with its latest
+collective still in flight: then no rank can bring the others forward.
+
+Why a slow rank is never taken for one, twice over. (1) Not every rank is blocked: in a correct
+program a collective completes once every rank has issued it, so while one rank computes (its
+rank-0-only work, five minutes long), the ranks waiting for it wait in a collective it has not
+issued yet, and its own latest collective has completed (or, were it ahead with one in flight, the
+ranks behind would be computing, not waiting): it publishes no record. (2) No two records differ:
+the waiting ranks all sit in the collective it will issue. A collective that is merely slow (a huge
+all-reduce on a slow link, ranks one bucket apart) passes (1) but not (2). Both stay with the long
+collective timeout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+# Collectives whose tensors have the same shapes and dtypes on every rank of a correct program, so
+# a difference there is a desync too (a rank-0-only metric all_reduce meeting the gradient one).
+# Others (gather, scatter, all_to_all) may legitimately differ in shape between ranks.
+SAME_SHAPES = frozenset({"all_reduce", "allreduce", "broadcast", "reduce", "allreduce_coalesced"})
+
+FIX = (
+    "every rank must call the same collectives in the same order: a collective under "
+    "`if rank == 0:` (run.save(), run.evaluate(), a metric all_reduce) must run on every rank; "
+    "keep only the printing and file writing inside the if"
+)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """One rank blocked in a collective, as it publishes itself once idle for ``desync_s``.
+
+    Args:
+        rank: global rank.
+        seq: the sequence number of its latest collective on the default group (still in flight).
+        op: that collective's signature (``signature``), e.g. ``"gloo:all_reduce(5 Float)"``.
+        ops: signature of each recent collective it recorded, by sequence number (the latest included).
+        where: ``file:line (source)`` of its main thread's innermost frame outside ddpkit, torch
+            and the standard library: the user's line that called the collective.
+        since_wall: ``time.time()`` of its last progress.
+    """
+
+    rank: int
+    seq: int
+    op: str
+    ops: dict[int, str] = field(default_factory=dict)
+    where: str = ""
+    since_wall: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Blocked:
+        raw = json.loads(text)
+        raw["ops"] = {int(seq): op for seq, op in raw["ops"].items()}  # JSON keys are strings
+        return cls(**raw)
+
+
+def signature(entry: Mapping) -> str:
+    """What must be equal on every rank for a flight-recorder entry: its op, and for ``SAME_SHAPES``
+    ops its tensors' shapes and dtypes, e.g. ``"gloo:all_reduce(5 Float)"``."""
+    name = str(entry.get("profiling_name", ""))
+    if name.split(":")[-1] not in SAME_SHAPES:
+        return name
+    shapes = zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False)
+    tensors = [f"{'x'.join(map(str, size)) or 'scalar'} {dtype}" for size, dtype in shapes]
+    return f"{name}({', '.join(tensors)})"
+
+
+def blocked_record(
+    entries: Sequence[Mapping], rank: int, where: str = "", since_wall: float = 0.0, keep: int = 16
+) -> Blocked | None:
+    """This rank's record when its latest collective is still in flight, else None.
+
+    Args:
+        entries: the flight recorder's collective entries of the default group, oldest first
+            (``stacks.flight_entries``). For gloo, ``state`` stays ``"scheduled"`` whatever
+            happens (torch 2.13); ``retired`` turns True when the collective completes.
+        rank: this rank.
+        where: the user's line its main thread is at.
+        since_wall: ``time.time()`` of its last progress.
+        keep: how many recent collectives to publish for comparison with ranks one or more ahead.
+    """
+    if not entries or entries[-1].get("retired", True):
+        return None  # computing or waiting on something else: no collective of this group holds it
+    recent = {int(e["collective_seq_id"]): signature(e) for e in entries[-keep:]}
+    latest = int(entries[-1]["collective_seq_id"])
+    return Blocked(rank, latest, recent[latest], recent, where, since_wall)
+
+
+def find_desync(records: Mapping[int, Blocked], world_size: int) -> list[Blocked] | None:
+    """Every rank's record when the ranks are blocked in different collectives, else None.
+
+    Args:
+        records: the records of the ranks that published one (blocked for ``desync_s``).
+        world_size: number of ranks in the job.
+    """
+    if set(records) != set(range(world_size)):
+        return None  # some rank is not blocked in a collective: slow, not desynchronized
+    for a in records.values():
+        for b in records.values():
+            theirs = b.ops.get(a.seq) if a.seq <= b.seq else None
+            if theirs is not None and theirs != a.op:
+                return [records[r] for r in sorted(records)]
+    return None
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def desync_line(records: Sequence[Blocked]) -> str:
+    """The desync in one line: which ranks are in which collective, and at which line of the script.
+
+    For example: ``desync (a collective only some ranks called): rank 0 is in gloo:all_gather #23
+    at train.py:21 (run.save()); rank 1 is in gloo:all_reduce(5 Float) #23 at train.py:18
+    (run.backward(loss))``.
+    """
+    groups: dict[tuple[int, str, str], list[int]] = {}
+    for record in sorted(records, key=lambda r: r.rank):
+        groups.setdefault((record.seq, record.op, record.where), []).append(record.rank)
+    parts = []
+    for (seq, op, where), ranks in sorted(groups.items(), key=lambda item: item[1][0]):
+        verb = "is" if len(ranks) == 1 else "are"
+        parts.append(f"{_ranks(ranks)} {verb} in {op} #{seq}" + (f" at {where}" if where else ""))
+    return "desync (a collective only some ranks called): " + "; ".join(parts)
+
+
+def desync_headline(records: Sequence[Blocked], desync_s: float) -> list[str]:
+    """The first lines of a desync's hang report: the summary, how long, and the fix."""
+    return [
+        desync_line(records),
+        f"every rank has waited over {desync_s:g} s in its collective (desync_timeout); {FIX}",
+    ]
