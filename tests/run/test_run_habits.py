@@ -7,6 +7,7 @@ without micro_batch despite its own clip_grad_norm_, and every epoch's run.log v
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,17 @@ def test_kill_and_rerun_with_a_len_sized_schedule_is_bit_equal(runs, tmp_path):
     assert [line["val_acc"] for line in _lines(out) if "val_acc" in line] == [
         line["val_acc"] for line in _lines(runs["2"]) if "val_acc" in line
     ]
+
+
+def test_a_checkpoint_on_rank_0_only_is_reported_not_a_silent_hang(tmp_path, monkeypatch):
+    # `if run.rank == 0: run.save()` after epoch 0: rank 0 waits in the checkpoint's gather, rank 1
+    # in epoch 1's gradient all-reduce. No flag: the default desync_timeout (30 s) reports it, where
+    # before the job sat silent until the 30-minute collective timeout.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launcher's run folder
+    start = time.monotonic()
+    done = _run(tmp_path / "out", 2, "--rank0-save", code=1)
+    assert time.monotonic() - start < 90, "the desync was not reported within the default 30 s (+ start-up)"
+    report = (tmp_path / "out" / "hang-report.txt").read_text()
+    save_line = next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "run.save()" in line)
+    assert "desync" in done.stderr and f"habits_script.py:{save_line}" in report, done.stderr[-3000:]
+    assert "rank 0" in report and "rank 1" in report

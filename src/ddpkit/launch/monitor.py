@@ -234,10 +234,12 @@ def watchdog_verdict(store: dist.Store) -> str | None:
         if "summary" in found:
             summary = json.loads(store.get(found["summary"]))
             where = f"; the report is in {summary['path']}" if summary["path"] else ""
-            return (
+            # A desync is not slowness: the ranks wait in different collectives, so no timeout
+            # would ever end it. Say what it is, not which timeout ran out.
+            why = "" if summary["line"].startswith("desync") else (
                 "a collective did not complete in time (the script's collective timeout): "
-                f"{summary['line']}{where} (written by rank {summary['reporter']}, which waited)"
             )
+            return f"{why}{summary['line']}{where} (written by rank {summary['reporter']}, which waited)"
         if "request" in found:  # the reporter died before it could say more
             reporter = int(store.get(found["request"]))
             return f"rank {reporter}'s hang watchdog reported a hang; its report is above"
