@@ -13,6 +13,7 @@ mid-epoch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,9 @@ class GlobalBatchSampler:
         shuffle: permute each epoch (else dataset order).
         drop_last: skip an epoch's final partial global batch; by default it is used, so no
             sample of an epoch is ever dropped, and ranks then get unequal (possibly empty) shares.
+        order: ``order(seed, epoch)`` -> the epoch's order of all sample indices, in place of a
+            plain permutation (``ddpkit.data.Shards.epoch_order``: shard by shard); it must depend
+            on nothing else, or a resume would not continue the same order.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class GlobalBatchSampler:
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
+        order: Callable[[int, int], torch.Tensor] | None = None,
     ) -> None:
         if num_samples < 1:
             raise ConfigError("the dataset is empty; a sampler needs at least one sample")
@@ -61,13 +66,15 @@ class GlobalBatchSampler:
             )
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.seed, self.shuffle, self.drop_last, self.order = seed, shuffle, drop_last, order
         self.state = SamplerState()
         self._order: torch.Tensor | None = None
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None:
-            if self.shuffle:
+            if self.order is not None:
+                self._order = self.order(self.seed, self.state.epoch)
+            elif self.shuffle:
                 gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.state.epoch)
                 self._order = torch.randperm(self.num_samples, generator=gen)
             else:

@@ -262,6 +262,10 @@ class Loader:
         cycle.finish()
         cycle.outside = True
 
+    def _advance_to(self, consumed: int) -> None:
+        """The step that took the world to ``consumed`` samples of this epoch is done."""
+        self.sampler.advance_to(consumed)
+
     def state_dict(self) -> dict:
         """The position: samples of the current epoch the world has consumed (not prefetched)."""
         return {**self.sampler.state_dict(), "global_batch": self.sampler.global_batch}

@@ -40,6 +40,7 @@ from ddpkit.run.optim import gate
 from ddpkit.run.preempt import Preemption
 from ddpkit.run.setup import (
     check_same_model,
+    check_split,
     kind_of,
     load_weights,
     loader_parts,
@@ -47,6 +48,7 @@ from ddpkit.run.setup import (
     seed_everything,
 )
 from ddpkit.run.steps import StepCycle
+from ddpkit.run.stream import StreamLoader, is_stream
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +186,13 @@ class Run(RunEnd):
     def loader(self, data: Dataset | DataLoader, **dataloader_kwargs: Any) -> Loader:
         """A DataLoader over ``data`` that yields this rank's micro-batches, on the device.
 
+        ``len(loader)`` is the optimizer steps of one epoch, the same at every point of the run.
+
         Args:
-            data: a map-style Dataset, or a DataLoader whose dataset, batch_size (as the global
-                batch when the run sets none), collate_fn and worker settings are taken over.
+            data: a map-style Dataset (``ddpkit.data.Shards`` for sharded files), a stream (an
+                IterableDataset, a HuggingFace streaming dataset, any iterable: see
+                ``ddpkit.run.stream``), or a DataLoader over either, whose dataset, batch_size (as
+                the global batch when the run sets none), collate_fn and worker settings are taken over.
             **dataloader_kwargs: num_workers, collate_fn, pin_memory, persistent_workers,
                 prefetch_factor, worker_init_fn, multiprocessing_context, as for torch's DataLoader.
         """
@@ -197,8 +203,12 @@ class Run(RunEnd):
         dataset, global_batch, kwargs, shuffle = loader_parts(
             data, self.data_cfg, self.device, dataloader_kwargs
         )
-        sampler = make_sampler(dataset, global_batch, self.env, self.data_cfg, self.seed, shuffle)
-        self.train_loader = Loader(self, dataset, sampler, self.data_cfg.micro_batch, kwargs)
+        if is_stream(dataset):
+            check_split(global_batch, self.env.world_size)
+            self.train_loader = StreamLoader(self, dataset, global_batch, self.data_cfg.micro_batch, kwargs)
+        else:
+            sampler = make_sampler(dataset, global_batch, self.env, self.data_cfg, self.seed, shuffle)
+            self.train_loader = Loader(self, dataset, sampler, self.data_cfg.micro_batch, kwargs)
         self._new_name("loader", "loader")
         self.objects["loader"] = self.train_loader
         if self._saved is not None and "loader" in self._saved["state"]:

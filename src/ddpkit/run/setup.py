@@ -76,7 +76,8 @@ def loader_parts(
     shuffle = cfg.shuffle
     global_batch = cfg.global_batch
     if isinstance(data, DataLoader):
-        _check_own_sampler(data)
+        if not isinstance(data.dataset, IterableDataset):  # a stream's DataLoader has no sampler to replace
+            _check_own_sampler(data)
         carried = {name: getattr(data, name) for name in _CARRIED}
         if data.num_workers > 0:
             carried["prefetch_factor"] = data.prefetch_factor
@@ -84,10 +85,10 @@ def loader_parts(
         shuffle = isinstance(data.sampler, RandomSampler)
         global_batch = global_batch or data.batch_size
         data = data.dataset
-    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+    stream = isinstance(data, IterableDataset) or (hasattr(data, "__iter__") and not hasattr(data, "__getitem__"))
+    if not stream and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise ConfigError(
-            f"run.loader needs a map-style dataset (__len__ and __getitem__), got {type(data).__name__}; "
-            "an iterable dataset has no position to resume from"
+            f"run.loader needs a dataset (__len__ and __getitem__) or an iterable, got {type(data).__name__}"
         )
     if global_batch is None:
         raise ConfigError("ddpkit.Run needs global_batch=N (samples per optimizer step over all ranks)")
@@ -120,6 +121,7 @@ def make_sampler(
         seed=seed,
         shuffle=shuffle,
         drop_last=cfg.drop_last,
+        order=getattr(dataset, "epoch_order", None),  # ddpkit.data.Shards: shard by shard
     )
 
 

@@ -153,15 +153,21 @@ def restore(objects: dict[str, Any], saved: dict, rank: int) -> None:
 
 
 def save(directory: Path, step: int, objects: dict[str, Any], env: DistEnv, keep_last: int) -> Path | None:
-    """Checkpoint every registered object at ``step``. Collective: every rank calls it, rank 0 writes."""
-    rng: list[dict | None] = [None] * env.world_size
-    dist.all_gather_object(rng, capture_rng())
+    """Checkpoint every registered object at ``step``. Collective: every rank calls it, rank 0 writes.
+
+    An object whose state differs by rank (``per_rank_state``: a stream's position) is saved as the
+    list of every rank's ``state_dict()``, gathered with the generators' states."""
+    own = {name: obj.state_dict() for name, obj in objects.items() if getattr(obj, "per_rank_state", False)}
+    everyone: list[dict | None] = [None] * env.world_size
+    dist.all_gather_object(everyone, {"rng": capture_rng(), "own": own})
     if not env.is_rank0:
         return None
+    parts = {name: [mine["own"][name] for mine in everyone] if name in own else obj.state_dict()
+             for name, obj in objects.items()}  # fmt: skip
     state = {
         "step": step,
         "world_size": env.world_size,
-        "rng": rng,
-        "state": {name: obj.state_dict() for name, obj in objects.items()},
+        "rng": [mine["rng"] for mine in everyone],
+        "state": parts,
     }
     return save_checkpoint(directory, step, state, keep_last=keep_last)

@@ -112,7 +112,7 @@ class StepCycle:
         if ended:
             self.held.restore()  # a loop left mid-step: the gradients are the user's again
             self.scaler.update()
-            self.loader.sampler.advance_to(self.micro.consumed)
+            self.loader._advance_to(self.micro.consumed)
             self.monitor.samples_taken(self.step, self.indices)
             self.micro, self.open, self.has_backward = None, False, False
         last = last or (self.steps is not None and self.step >= self.steps)
