@@ -56,9 +56,13 @@ def test_a_powersgd_setting_is_the_same_on_both_engines(tmp_path) -> None:
         torch_run, native_run = result["torch"], result["native"]
         # (loss, eval_loss) pairs, flattened to the numbers: pytest.approx takes no nested
         # structures (pytest >= 9) and no None; the None pattern must match exactly.
-        pattern = [[value is None for pair in run["losses"] for value in pair] for run in (native_run, torch_run)]
+        pattern = [
+            [value is None for pair in run["losses"] for value in pair] for run in (native_run, torch_run)
+        ]
         assert pattern[0] == pattern[1]
-        flat = [[v for pair in run["losses"] for v in pair if v is not None] for run in (native_run, torch_run)]
+        flat = [
+            [v for pair in run["losses"] for v in pair if v is not None] for run in (native_run, torch_run)
+        ]
         assert flat[0] == pytest.approx(flat[1], rel=1e-5)
         for name, value in torch_run["state"].items():
             torch.testing.assert_close(native_run["state"][name], value, msg=name)

@@ -70,7 +70,7 @@ def main() -> None:
     held_out = Flips(30, seed=1)
     held_out = TensorDataset(held_out.x, held_out.y)
 
-    for epoch in range(loader.epoch, EPOCHS):
+    for _epoch in range(loader.epoch, EPOCHS):
         model.train()
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
@@ -81,7 +81,9 @@ def main() -> None:
             scheduler.step()
             if run.step == args.kill_at and run.rank == 0 and run.at_step_end:
                 os.kill(os.getpid(), signal.SIGKILL)
-        accuracy = run.evaluate(held_out, lambda batch: (model(batch[0]).argmax(1) == batch[1]).float().mean())
+        accuracy = run.evaluate(
+            held_out, lambda batch: (model(batch[0]).argmax(1) == batch[1]).float().mean()
+        )
         run.log(val_acc=accuracy["value"])
         if args.rank0_save and run.rank == 0:
             run.save()

@@ -41,7 +41,10 @@ def source(kind: str):
         return Plain()
     sizes = [10, 25, 5, 20, 30, 10]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return Shards(list(zip(starts, sizes, strict=True)), read=lambda s: list(zip(x[s[0] : s[0] + s[1]], y[s[0] : s[0] + s[1]], strict=True)))
+    return Shards(
+        list(zip(starts, sizes, strict=True)),
+        read=lambda s: list(zip(x[s[0] : s[0] + s[1]], y[s[0] : s[0] + s[1]], strict=True)),
+    )
 
 
 def main() -> None:

@@ -7,9 +7,9 @@ without micro_batch despite its own clip_grad_norm_, and every epoch's run.log v
 from __future__ import annotations
 
 import json
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,18 @@ STEPS = 15  # 3 epochs of 60 samples in global batches of 12
 
 
 def _cmd(out: Path, nproc: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc), str(SCRIPT), "--out", str(out), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "--nproc",
+        str(nproc),
+        str(SCRIPT),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
@@ -46,7 +57,12 @@ def runs(tmp_path_factory) -> dict:
     """The script's uninterrupted runs on 1, 2 and 3 processes, and on 2 with micro-batches of 2."""
     root = tmp_path_factory.mktemp("habits")
     outs = {}
-    for name, nproc, extra in [("1", 1, ()), ("2", 2, ()), ("3", 3, ()), ("2-micro", 2, ("--micro-batch", "2"))]:
+    for name, nproc, extra in [
+        ("1", 1, ()),
+        ("2", 2, ()),
+        ("3", 3, ()),
+        ("2-micro", 2, ("--micro-batch", "2")),
+    ]:
         outs[name] = root / name
         _run(outs[name], nproc, *extra)
     return outs

@@ -14,7 +14,8 @@ from torch.utils.data import Dataset, TensorDataset
 from tqdm import tqdm
 
 import ddpkit
-from ddpkit.run.loader import EpochIndices, _SeededFetch
+from ddpkit.run.loader import EpochIndices
+from ddpkit.run.seeding import SeededFetch
 
 
 class Jitter(Dataset):
@@ -34,7 +35,7 @@ def _indices(values: list[int], epoch: int) -> EpochIndices:
 
 
 def test_a_sample_draws_the_same_whatever_batch_fetches_it():
-    fetch = _SeededFetch(Jitter(), seed=3)
+    fetch = SeededFetch(Jitter(), seed=3)
     together = fetch.__getitems__(_indices([4, 7, 1], epoch=0))
     alone = [fetch.__getitems__(_indices([i], epoch=0))[0] for i in (4, 7, 1)]
     assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
@@ -42,7 +43,7 @@ def test_a_sample_draws_the_same_whatever_batch_fetches_it():
 
 
 def test_fetching_leaves_the_training_process_generators_alone():
-    fetch = _SeededFetch(Jitter(), seed=3)
+    fetch = SeededFetch(Jitter(), seed=3)
     torch.manual_seed(1)
     expected = torch.rand(3)
     torch.manual_seed(1)
@@ -51,7 +52,7 @@ def test_fetching_leaves_the_training_process_generators_alone():
 
 
 def test_a_dataset_that_draws_nothing_is_not_reseeded():
-    fetch = _SeededFetch(TensorDataset(torch.arange(6.0)), seed=0)
+    fetch = SeededFetch(TensorDataset(torch.arange(6.0)), seed=0)
     fetch.__getitems__(_indices([0, 1], epoch=0))
     assert fetch.draws is False
 
@@ -69,7 +70,7 @@ def _train_with_own_clip(out, micro_batch: int | None) -> dict:
     run.track(optimizer)
     loader = run.loader(_data())
     norms = []
-    for epoch in range(loader.epoch, 2):
+    for _epoch in range(loader.epoch, 2):
         for x, y in loader:
             optimizer.zero_grad()
             run.backward(F.mse_loss(model(x), y))
@@ -117,7 +118,11 @@ def test_values_logged_between_steps_get_a_line_of_their_own(tmp_path):
             run.save()  # the value is written before the checkpoint, not dropped
     run.finish()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(line["step"], line["val"]) for line in lines if "val" in line] == [(2, 0.25), (4, 1.25), (6, 2.25)]
+    assert [(line["step"], line["val"]) for line in lines if "val" in line] == [
+        (2, 0.25),
+        (4, 1.25),
+        (6, 2.25),
+    ]
     assert [line["in_step"] for line in lines if "loss" in line] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     assert [line["step"] for line in lines] == [1, 2, 2, 3, 4, 4, 5, 6, 6]  # each after its step's line
 

@@ -26,7 +26,18 @@ SCRIPT = Path(__file__).with_name("stream_script.py")
 
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc), str(SCRIPT), "--out", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "--nproc",
+        str(nproc),
+        str(SCRIPT),
+        "--out",
+        str(out),
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done
@@ -73,7 +84,9 @@ def test_a_plain_stream_resumed_says_once_that_it_starts_over(tmp_path):
     _run(tmp_path / "cut", 2, "--source", "plain", "--kill-at", "6", code=1)
     done = _run(tmp_path / "cut", 2, "--source", "plain")
     assert done.stderr.count("has no state_dict(), so this resumed run reads it from its beginning") == 1
-    assert [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()][4] == 5
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    ][4] == 5
 
 
 class _Count(IterableDataset):

@@ -48,7 +48,9 @@ class Shards(Dataset):
         self.shards, self.read, self.shuffle = list(shards), read, shuffle
         sizes = [len(read(shard)) for shard in self.shards] if sizes is None else list(sizes)
         if len(sizes) != len(self.shards) or any(s < 0 for s in sizes):
-            raise ConfigError(f"Shards: sizes must give one count >= 0 per shard ({len(self.shards)}), got {sizes}")
+            raise ConfigError(
+                f"Shards: sizes must give one count >= 0 per shard ({len(self.shards)}), got {sizes}"
+            )
         self.sizes = sizes
         self.starts = list(itertools.accumulate(sizes, initial=0))  # the first index of each shard
         self._cached: tuple[int, Sequence[Any]] | None = None  # (shard index, its samples)

@@ -236,8 +236,10 @@ def watchdog_verdict(store: dist.Store) -> str | None:
             where = f"; the report is in {summary['path']}" if summary["path"] else ""
             # A desync is not slowness: the ranks wait in different collectives, so no timeout
             # would ever end it. Say what it is, not which timeout ran out.
-            why = "" if summary["line"].startswith("desync") else (
-                "a collective did not complete in time (the script's collective timeout): "
+            why = (
+                ""
+                if summary["line"].startswith("desync")
+                else ("a collective did not complete in time (the script's collective timeout): ")
             )
             return f"{why}{summary['line']}{where} (written by rank {summary['reporter']}, which waited)"
         if "request" in found:  # the reporter died before it could say more

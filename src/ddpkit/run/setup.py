@@ -85,7 +85,9 @@ def loader_parts(
         shuffle = isinstance(data.sampler, RandomSampler)
         global_batch = global_batch or data.batch_size
         data = data.dataset
-    stream = isinstance(data, IterableDataset) or (hasattr(data, "__iter__") and not hasattr(data, "__getitem__"))
+    stream = isinstance(data, IterableDataset) or (
+        hasattr(data, "__iter__") and not hasattr(data, "__getitem__")
+    )
     if not stream and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise ConfigError(
             f"run.loader needs a dataset (__len__ and __getitem__) or an iterable, got {type(data).__name__}"

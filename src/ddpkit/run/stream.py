@@ -42,11 +42,15 @@ log = logging.getLogger(__name__)
 def is_stream(data: Any) -> bool:
     """An iterable source rather than a map-style dataset (or a DataLoader over one)."""
     data = data.dataset if isinstance(data, DataLoader) else data
-    return isinstance(data, IterableDataset) or (hasattr(data, "__iter__") and not hasattr(data, "__getitem__"))
+    return isinstance(data, IterableDataset) or (
+        hasattr(data, "__iter__") and not hasattr(data, "__getitem__")
+    )
 
 
 def has_state(source: Any) -> bool:
-    return callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))
+    return callable(getattr(source, "state_dict", None)) and callable(
+        getattr(source, "load_state_dict", None)
+    )
 
 
 class _RankPart(IterableDataset):
@@ -97,7 +101,9 @@ class StreamLoader:
 
     per_rank_state = True  # a checkpoint holds each rank's position (state.save gathers them)
 
-    def __init__(self, run: Run, source: Any, global_batch: int, micro_batch: int | None, kwargs: dict) -> None:
+    def __init__(
+        self, run: Run, source: Any, global_batch: int, micro_batch: int | None, kwargs: dict
+    ) -> None:
         env = run.env
         share = global_batch // env.world_size
         size = micro_batch or share
@@ -177,7 +183,9 @@ class StreamLoader:
         return step
 
     def _everyone_has(self, mine: bool) -> bool:
-        flag = torch.tensor([1 if mine else 0], device=self.run.device if self.run.env.backend == "nccl" else "cpu")
+        flag = torch.tensor(
+            [1 if mine else 0], device=self.run.device if self.run.env.backend == "nccl" else "cpu"
+        )
         self.run.monitor.phase(self.run.step, "data: every rank has a full share, all_reduce")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
@@ -197,8 +205,9 @@ class StreamLoader:
         env = self.run.env
         if len(everyone) != env.world_size:
             raise ConfigError(
-                f"the checkpoint's stream positions are of {len(everyone)} ranks, this run has {env.world_size}: "
-                "a stream resumes on the world size it was saved on (ddpkit.data.Shards resumes on any)"
+                f"the checkpoint's stream positions are of {len(everyone)} ranks, this run has "
+                f"{env.world_size}: a stream resumes on the world size it was saved on "
+                "(ddpkit.data.Shards resumes on any)"
             )
         state = everyone[env.rank]
         if state["global_batch"] != self.global_batch:
@@ -213,5 +222,6 @@ class StreamLoader:
             self._told = True
             log.warning(
                 "the stream has no state_dict(), so this resumed run reads it from its beginning "
-                "(model, optimizer and step %d continue)", self.run.cycle.step
+                "(model, optimizer and step %d continue)",
+                self.run.cycle.step,
             )

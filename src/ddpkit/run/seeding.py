@@ -1,0 +1,92 @@
+"""Random transforms in a dataset, seeded per sample: the same draws at any world size.
+
+A single-device script's augmentation (a random flip in ``__getitem__``) draws from the global
+generators of whichever process fetches the sample. Under data parallelism that process, its
+position in its stream and the other samples of its batch all depend on the world size and the
+micro-batch, so the draws would too. ``SeededFetch`` seeds python, numpy and torch's CPU
+generator from (run seed, epoch, sample index) before each sample instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's random transforms: (run seed, epoch, sample index) alone."""
+    digest = hashlib.blake2b(repr((seed, epoch, index)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _rng_states() -> tuple:
+    return random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+
+
+def _set_rng_states(states: tuple) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.default_generator.set_state(states[2])
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return (
+        a[0] == b[0] and a[1][2:] == b[1][2:] and np.array_equal(a[1][1], b[1][1]) and torch.equal(a[2], b[2])
+    )
+
+
+class SeededFetch(Dataset):
+    """Wraps the user's dataset so that random transforms draw the same numbers for the same sample
+    at any world size, any micro_batch and after a resume.
+
+    Before each sample is fetched, python, numpy and torch's CPU generator are seeded from (run
+    seed, epoch, sample index): which rank, worker or micro-batch fetches a sample no longer
+    matters. In the training process (num_workers=0) the generators are put back afterwards, so
+    the model's own draws (dropout) are what they would be without data loading. Seeding costs
+    about 9 us a sample, so the first micro-batch of each epoch is fetched plainly to see whether
+    the dataset draws at all; one that does not (a TensorDataset) is not seeded that epoch.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+        self.draws: bool | None = None  # whether the dataset draws random numbers; None: not known yet
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        if self.draws is False:
+            return self._plain(indices)
+        before = _rng_states()
+        in_worker = get_worker_info() is not None
+        try:
+            if self.draws is None:
+                batch = self._plain(indices)
+                self.draws = not _same_states(before, _rng_states())
+                if not self.draws:
+                    return batch
+            return [self._seeded(getattr(indices, "epoch", 0), index) for index in indices]
+        finally:
+            if not in_worker:  # a worker's generators are its own; the training process's are the run's
+                _set_rng_states(before)
+
+    def _plain(self, indices: list[int]) -> list:
+        own = getattr(self.dataset, "__getitems__", None)
+        return own(indices) if own else [self.dataset[i] for i in indices]
+
+    def _seeded(self, epoch: int, index: int) -> Any:
+        seed = sample_seed(self.seed, epoch, index)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        # The CPU generator alone: all a transform in a worker can draw from (a worker cannot use
+        # CUDA), and torch.manual_seed's visit to every other backend costs ~0.2 ms.
+        torch.default_generator.manual_seed(seed)
+        return self.dataset[index]
