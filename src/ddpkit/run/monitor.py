@@ -29,6 +29,7 @@ from ddpkit.diagnostics.stats import FIELDS, StepClock, Window, rank_table, stra
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
+from ddpkit.run.trackers import TRACKERS, Trackers, check_installed, run_params
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class DiagnosticsConfig:
             collective timeout applies.
         progress: show a progress bar on rank 0.
         log_samples: each rank appends the dataset indices of each step to OUT/samples/rank{R}.jsonl.
+        trackers: experiment trackers rank 0 sends every metrics line to, any of ``tensorboard``,
+            ``mlflow`` and ``wandb`` (a list is taken; each needs its extra, such as
+            ``pip install "ddpkit[mlflow]"``); a resumed run continues their runs. See docs/trackers.md.
     """
 
     log_every: int | None = None
@@ -82,8 +86,15 @@ class DiagnosticsConfig:
     startup_timeout: float = 600.0
     progress: bool = True
     log_samples: bool = False
+    trackers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.trackers, list | tuple):
+            raise ConfigError(f"trackers={self.trackers!r} must be a list of names, such as ['tensorboard']")
+        object.__setattr__(self, "trackers", tuple(dict.fromkeys(self.trackers)))  # frozen: set once here
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise ConfigError(f"unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
         if self.log_every is not None and self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every} is below 1; use a positive number of steps")
         if not 0 < self.startup_timeout < float("inf"):
@@ -100,10 +111,15 @@ class Monitor:
         env: this process's distributed environment.
         cfg: what to watch and how often.
         out: the run's folder (None: no files).
+        params: the run's config, flat, for the trackers' runs.
     """
 
-    def __init__(self, env: DistEnv, cfg: DiagnosticsConfig, out: Path | None) -> None:
-        self.env, self.cfg, self.out = env, cfg, out
+    def __init__(
+        self, env: DistEnv, cfg: DiagnosticsConfig, out: Path | None, params: dict | None = None
+    ) -> None:
+        check_installed(cfg.trackers)  # on every rank, so all stop alike
+        self.env, self.cfg, self.out, self.params = env, cfg, out, params or {}
+        self.trackers: Trackers | None = None  # rank 0's, once the loop starts
         self.clock = StepClock()
         self.window = Window(env.device, self.clock)
         self.user: dict[str, list[float]] = {}  # run.log in a step: name -> [sum, count]
@@ -151,6 +167,10 @@ class Monitor:
         """The loop begins (at ``step`` after a resume): drop metrics a resumed run will redo."""
         if self.metrics is not None:
             truncate_after(self.metrics.path, step)
+            if self.cfg.trackers:  # sent what they lack of the lines up to ``step`` first
+                history = read_metrics(self.metrics.path) if self.metrics.path.exists() else []
+                params = run_params(self.out, self.params)
+                self.trackers = Trackers(self.cfg.trackers, self.out, params, history)
         if self.cfg.log_samples and self.out is not None:
             self._truncate_samples(step)
         show = self.env.is_rank0 and self.cfg.progress
@@ -226,7 +246,7 @@ class Monitor:
         dist.all_gather_object(everyone, mine)
         means = _means(everyone)
         if means and self.metrics is not None:
-            self.metrics.write({"step": step, **extra, **means})
+            self._write({"step": step, **extra, **means})
         if means and self.bar is not None:
             self.bar.set_postfix(means, refresh=False)
 
@@ -279,9 +299,14 @@ class Monitor:
             self._report(gather.step, record)
         return record, int(max(row[-1] for row in table))
 
+    def _write(self, record: dict) -> None:
+        self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.write(record)
+
     def _report(self, step: int, record: dict) -> None:
         if self.metrics is not None:
-            self.metrics.write(record)
+            self._write(record)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if self.cfg.rank_table_every and step % self.cfg.rank_table_every == 0:
@@ -302,6 +327,8 @@ class Monitor:
         self._pending = None
         if self.metrics is not None:
             self.metrics.close()
+        if self.trackers is not None:
+            self.trackers.close(finished=plot)  # plot: the run finished
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.bar is not None:

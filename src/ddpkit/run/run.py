@@ -14,6 +14,7 @@ rank reaches in the same order, so a loop the user writes once cannot make ranks
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import time
 from datetime import timedelta
@@ -88,7 +89,7 @@ class Run(RunEnd):
             ``find_unused_parameters``, ``compression``, ``sync_batchnorm``, ``broadcast_buffers``,
             ``precision``), checkpoints (``save_every``, ``keep_last``, ``resume``), optimizer
             step (``grad_clip``, ``on_nonfinite``) and diagnostics (``log_every``,
-            ``check_every``, ``rank_table_every``, ``collective_timeout``, ``progress``);
+            ``check_every``, ``rank_table_every``, ``collective_timeout``, ``progress``, ``trackers``);
             see the config classes in ``ddpkit.run``.
     """
 
@@ -120,7 +121,9 @@ class Run(RunEnd):
         try:
             self._resume_path = state.resume_point(self.out, self.ckpt_cfg, self.env, self._lock)
             self._saved = state.load(self._resume_path, self.device) if self._resume_path else None
-            self.monitor = Monitor(self.env, self.diag_cfg, self.out)
+            configs = (self.cfg, self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg)
+            params = {k: v for cfg in configs for k, v in dataclasses.asdict(cfg).items()}  # for trackers
+            self.monitor = Monitor(self.env, self.diag_cfg, self.out, params)
         except BaseException:
             self._leave()  # the folder's lock and the process group, so nothing is left behind
             raise

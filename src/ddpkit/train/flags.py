@@ -1,7 +1,8 @@
 """Command-line flags and TOML keys generated from the config dataclasses, so neither restates them.
 
 Each field becomes ``--field-name`` with its type, its docstring line as help and its default
-shown; a bool becomes ``--name`` / ``--no-name``; ``none`` gives None to a field that allows it.
+shown; a bool becomes ``--name`` / ``--no-name``; a tuple takes names separated by commas
+(``--trackers tensorboard,mlflow``, a list in TOML); ``none`` gives None to a field that allows it.
 Flags default to "not given", so the layers beneath them (the workload, the TOML file) show
 through. ``--config run.toml`` holds the same fields under one table per section (``[data]``,
 ``[engine]``, ...) or at the top level; ``[launch]`` holds the launcher's flags by name.
@@ -41,7 +42,7 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             else:
-                meta = {int: "N", float: "X"}.get(kind, "TEXT")
+                meta = {int: "N", float: "X", tuple: "A,B"}.get(kind, "TEXT")
                 group.add_argument(
                     flag, type=_converter(flag, kind, optional), default=None, metavar=meta, help=help_text
                 )
@@ -103,11 +104,13 @@ def _checked(path: str, name: str, value: Any) -> Any:
     kind, optional = _base(typing.get_type_hints(cls)[name])
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
     if optional and value == "none":
         return None
-    raise ConfigError(f"{path}: {name} = {value!r} must be {kind.__name__}")
+    raise ConfigError(f"{path}: {name} = {value!r} must be {'a list' if kind is tuple else kind.__name__}")
 
 
 def _base(hint: Any) -> tuple[type, bool]:
@@ -115,13 +118,15 @@ def _base(hint: Any) -> tuple[type, bool]:
     if isinstance(hint, types.UnionType):
         kinds = [k for k in typing.get_args(hint) if k is not type(None)]
         return kinds[0], True
-    return hint, False
+    return typing.get_origin(hint) or hint, False  # tuple[str, ...] is a tuple
 
 
 def _converter(flag: str, kind: type, optional: bool):
     def convert(text: str) -> Any:
         if optional and text.lower() == "none":
             return None
+        if kind is tuple:
+            return tuple(part.strip() for part in text.split(",") if part.strip())
         try:
             value = kind(text)
         except ValueError:
