@@ -117,6 +117,8 @@ class Run(RunEnd):
         self.objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
         self.train_loader: Loader | None = None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
+        if self.scaler.is_enabled():  # its scale and growth tracker resume with the run
+            self.objects["grad_scaler"] = self.scaler
         self._lock = OutLock(self.out) if self.out is not None and self.env.is_rank0 else None
         try:
             self._resume_path = state.resume_point(self.out, self.ckpt_cfg, self.env, self._lock)
