@@ -159,11 +159,10 @@ def _record_uncaught(previous, run_dir: str, rank: str):
         if path and not os.path.exists(path):  # @record, where the script has it, wrote first
             callstack = "".join(traceback.format_exception(exc_type, exc, tb))
             info = {"py_callstack": callstack, "timestamp": str(int(time.time()))}
-            try:
-                with open(path, "w") as f:
-                    json.dump({"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": info}}, f)
-            except OSError:
-                pass  # the traceback still reaches stderr below
+            # Written whole, then renamed: the agent may stop this worker mid-write (its peer died
+            # first), and it reads the file with json.load, which an empty file crashes.
+            message = {"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": info}}
+            _write_whole(path, json.dumps(message))
         if _is_config_error(exc_type) and _mark(os.path.join(run_dir, f"{CONFIG_ERROR}{rank}"), str(exc)):
             raise SystemExit(2)  # from an excepthook: Python runs atexit, then exits with 2
         if _after_peer_config_error(exc, run_dir, rank):
@@ -182,13 +181,18 @@ def _is_config_error(exc_type) -> bool:
 
 
 def _mark(path: str, message: str) -> bool:
-    try:  # written whole, then renamed: the launcher never reads half a message
+    return _write_whole(path, message)  # the launcher never reads half a message
+
+
+def _write_whole(path: str, text: str) -> bool:
+    """``text`` to ``path`` through a temporary file and a rename; False when it cannot."""
+    try:
         with open(path + ".tmp", "w") as f:
-            f.write(message)
+            f.write(text)
         os.replace(path + ".tmp", path)
         return True
     except OSError:
-        return False  # the traceback below says it instead
+        return False  # the traceback still reaches stderr
 
 
 def _after_peer_config_error(exc, run_dir: str, rank: str) -> bool:
