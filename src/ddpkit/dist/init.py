@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -141,7 +142,9 @@ def _init_group(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     _check_init_method(init_method)
-    store = _restart_safe_agent_store(init_method, timeout)
+    store = _restart_safe_agent_store(init_method, timeout) or _tcp_store_under_ddpkit_launch(
+        init_method, rank, world_size, timeout
+    )
     if store is not None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         return
@@ -164,6 +167,21 @@ def _restart_safe_agent_store(init_method: str, timeout: timedelta) -> dist.Stor
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"ddpkit/attempt{attempt}", client)
+
+
+def _tcp_store_under_ddpkit_launch(
+    init_method: str, rank: int, world_size: int, timeout: timedelta
+) -> dist.Store | None:
+    """For tcp:// under ddpkit.launch: the store at HOST:PORT, hosted by rank 0.
+
+    ddpkit.launch tells its ranks that an agent hosts their store (TORCHELASTIC_USE_AGENT_STORE,
+    for env://), so torch's own tcp:// handler would connect every rank, rank 0 too, to HOST:PORT
+    as a client of a store nobody hosts, and wait there until the timeout.
+    """
+    if not init_method.startswith("tcp://") or os.environ.get("DDPKIT_LAUNCHER") != "ddpkit":
+        return None
+    url = urlsplit(init_method)
+    return dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout)
 
 
 def job_store(timeout: timedelta) -> dist.Store | None:
