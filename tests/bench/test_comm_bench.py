@@ -147,6 +147,7 @@ def test_an_operation_the_backend_refuses_is_reported_not_fatal():
     assert report.comm_row(record).endswith("n/a (gloo does not implement it)")
 
 
+@pytest.mark.slow
 def test_two_rank_run_checks_every_op_and_redop_and_writes_json_and_png(tmp_path, capfd):
     out, png = tmp_path / "comm.json", tmp_path / "comm.png"
     argv = ["--nproc", "2", "--sizes", "1K:4K", "--iters", "2", "--warmup", "1", "--json", str(out)]

@@ -39,6 +39,7 @@ def test_ideals_are_max_and_overlap_of_the_measured_phases() -> None:
     assert fast["ideal_max_s"] == fast["compute_s"] == fast["ideal_overlap_s"]
 
 
+@pytest.mark.slow
 def test_tiny_run_on_two_capped_hosts(tmp_path, capsys) -> None:
     reason = engine_link.unavailable()
     out = tmp_path / "link.json"

@@ -71,6 +71,7 @@ def test_nproc_list_parsing():
         scaling.parse_nprocs("1,two")
 
 
+@pytest.mark.slow
 def test_short_toy_run_writes_a_record_per_process_count(tmp_path, capsys):
     out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
     argv = ["toy", "--nproc", "1,2", "--steps", "6", "--warmup", "2", "--global-batch", "32"]

@@ -237,6 +237,7 @@ def _one_rank_late(env: DistEnv, report: str, late: int, freeze: bool, entered: 
         dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.slow
 def test_late_rank_is_named_and_every_stack_is_shown(tmp_path):
     report, entered = tmp_path / "hang.txt", tmp_path / "entered"
     # The launcher's line names the late rank and the report (from the reporter's store key), not
@@ -277,6 +278,7 @@ def _run_frozen(frozen: int, report) -> None:
     assert failed.value.exit_code == HANG_EXIT_CODE
 
 
+@pytest.mark.slow
 def test_frozen_rank_is_reported_as_not_answering(tmp_path):
     report = tmp_path / "hang.txt"
     _run_frozen(2, report)
@@ -287,6 +289,7 @@ def test_frozen_rank_is_reported_as_not_answering(tmp_path):
     assert "stack of rank 0" in text and "stack of rank 1" in text and "stack of rank 2" not in text
 
 
+@pytest.mark.slow
 def test_frozen_store_host_still_gets_a_report(tmp_path):
     """Under tcp:// (and ddpkit.launch) rank 0 hosts the store: freezing it freezes the store too."""
     report = tmp_path / "hang.txt"
@@ -309,6 +312,7 @@ def _quick_steps(env: DistEnv) -> tuple[float, bool]:
     return total.item(), leftover
 
 
+@pytest.mark.slow
 def test_no_false_alarm_and_stop_leaves_no_thread():
     results = run_ranks(_quick_steps, 3)
     # sum over steps 1..10 of (0 + 1 + 2 + 3 * step) = 30 + 3 * 55

@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import os, torch, torch.distributed as dist
 from ddpkit.dist import init as dist_init
@@ -29,6 +31,7 @@ for profile in (False, True):
 """
 
 
+@pytest.mark.slow
 def test_gloo_threads_are_seen_while_a_group_lives():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -29,6 +29,7 @@ def _join_and_sum(init_method: str | None) -> tuple:
         ddpkit.destroy()  # idempotent: a second call is harmless
 
 
+@pytest.mark.slow
 def test_env_init_gives_ranks_devices_and_threads():
     results = run_ranks(_join_and_sum_env, 2)
     for rank, (env, total, threads) in enumerate(results):
@@ -42,12 +43,14 @@ def _join_and_sum_env(env) -> tuple:
     return env, _sum_of_ranks(env), torch.get_num_threads()
 
 
+@pytest.mark.slow
 def test_tcp_init():
     url = f"tcp://127.0.0.1:{free_port()}"
     results = ddpkit.launch(_join_and_sum, 2, (url,))
     assert [r[1] for r in results] == [3.0, 3.0]
 
 
+@pytest.mark.slow
 def test_file_init(tmp_path):
     url = f"file://{tmp_path / 'rendezvous'}"
     results = ddpkit.launch(_join_and_sum, 3, (url,))
@@ -82,6 +85,7 @@ def test_bad_init_method_is_named(monkeypatch):
     assert "DDPKIT_LAUNCHER" not in os.environ
 
 
+@pytest.mark.slow
 def test_a_users_omp_num_threads_stands(monkeypatch):
     # ddpkit would give each of 2 processes cores // 2 threads; the user asks for 2 (torch caps the
     # number at the core count, so 2 is the largest value that shows the difference on 2 cores).

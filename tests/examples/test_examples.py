@@ -36,6 +36,7 @@ def test_every_seed_program_has_an_example():
 RUN_ELSEWHERE = {"own_loop", "hf_style", "gan", "task_mlp"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "example", [path for path in EXAMPLES if path.stem not in RUN_ELSEWHERE], ids=lambda path: path.stem
 )

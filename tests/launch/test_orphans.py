@@ -13,8 +13,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import descendants
 from run_scripts import FOREVER_SCRIPT, alive, ddpkit_run, workers
+
+pytestmark = pytest.mark.slow
 
 
 def _wait_for(condition, proc: subprocess.Popen, what: str, limit: float = 90.0) -> None:

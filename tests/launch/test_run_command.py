@@ -60,6 +60,7 @@ def _ddpkit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_plain_torch_ddp_script_runs_on_two_processes(tmp_path):
     script = tmp_path / "plain_ddp.py"
     script.write_text(PLAIN_DDP_SCRIPT)
@@ -72,6 +73,7 @@ def test_plain_torch_ddp_script_runs_on_two_processes(tmp_path):
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
+@pytest.mark.slow
 def test_failing_worker_is_named_with_its_traceback(tmp_path):
     script = tmp_path / "failing.py"
     script.write_text(FAILING_SCRIPT)

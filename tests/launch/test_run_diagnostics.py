@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from run_scripts import HANG_SCRIPT, ddpkit_run, workers
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def reports_in_tmp_path(tmp_path, monkeypatch):

@@ -20,6 +20,8 @@ import pytest
 import torch
 from run_scripts import SNAPSHOT_SCRIPT, ddpkit_run, workers
 
+pytestmark = pytest.mark.slow
+
 EPOCHS = 8
 KILLS = ((0, 1, 2), (1, 0, 4))  # (attempt, rank, once the snapshot holds this many epochs)
 RUNS = int(os.environ.get("DDPKIT_RESTART_LOOP", "1"))

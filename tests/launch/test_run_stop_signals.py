@@ -12,7 +12,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from run_scripts import SLEEP_SCRIPT, alive, ddpkit_run, workers
+
+pytestmark = pytest.mark.slow
 
 # Says it is up, then ignores SIGTERM: only the grace period's SIGKILL or a second signal ends it.
 STUBBORN_SCRIPT = textwrap.dedent(

@@ -19,6 +19,7 @@ def _rank_world_and_listeners(env) -> tuple[int, int, list[str], list[str]]:
     return env.rank, env.world_size, listening(os.getppid()), listening(os.getpid())
 
 
+@pytest.mark.slow
 def test_returns_each_ranks_result_and_hosts_the_store_on_loopback():
     results = run_ranks(_rank_world_and_listeners, 3)
     assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
@@ -40,6 +41,7 @@ def _rank1_raises_others_wait(env) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_failing_rank_is_reported_and_others_stopped():
     start = time.monotonic()
     with pytest.raises(ddpkit.LaunchError) as info:

@@ -16,6 +16,8 @@ from run_scripts import SLEEP_SCRIPT, ddpkit_run, listening
 
 from ddpkit.launch.ports import free_port
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("flags", [[], ["--standalone"], ["--nnodes", "1", "--master-port", "PORT"]])
 def test_single_node_stores_listen_on_loopback_only(tmp_path, flags):

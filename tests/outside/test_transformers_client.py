@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).with_name("hf_client_script.py")
 STEPS, WARMUP, PEAK_LR = 12, 3, 1e-2
 N_EMBD = 32  # the script's GPT2Config(n_embd=32): c_attn.bias is [query | key | value], 32 each

@@ -21,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit import DataParallel
 from ddpkit.parallel import PowerSGD
 
+pytestmark = pytest.mark.slow  # each file spawns its ranks once, for a few seconds
+
 BUCKET_MB = 0.01  # several buckets, so per-bucket state (PowerSGD's P, Q and error) is exercised
 
 

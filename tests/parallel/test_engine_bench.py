@@ -89,6 +89,7 @@ def test_unknown_engine_is_a_config_error() -> None:
         engine.EngineBenchConfig(engines=("torch", "nccl"))
 
 
+@pytest.mark.slow
 def test_tiny_run_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "engine.json"
     flags = "--nproc 2 --blocks 2 --steps-per-block 1 --warmup 1 --batch 2 --seq 8 --n-layer 1 --n-embd 16"

@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ddpkit import DataParallel
 
+pytestmark = pytest.mark.slow  # each file spawns its ranks once, for a few seconds
+
 
 class Conditional(nn.Module):
     """torch's test_grads_same_across_ranks_with_no_sync: each rank uses another layer in each

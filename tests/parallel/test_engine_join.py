@@ -15,6 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit import DataParallel
 from ddpkit.models import ConvNet
 
+pytestmark = pytest.mark.slow  # each file spawns its ranks once, for a few seconds
+
 
 class Gated(nn.Module):
     """A trunk and a branch the loss only reaches when ``gate`` is set (find_unused_parameters)."""

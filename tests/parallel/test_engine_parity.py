@@ -22,6 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit import DataParallel
 from ddpkit.models import GPT, ConvNet, GPTConfig, ToyModel
 
+pytestmark = pytest.mark.slow  # each file spawns its ranks once, for a few seconds
+
 
 class Branchy(nn.Module):
     """A trunk and head, a branch no rank ever uses, and one that only some ranks use some steps."""

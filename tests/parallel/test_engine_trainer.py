@@ -13,6 +13,8 @@ from ddpkit.run import EngineConfig
 from ddpkit.run.metrics import read_metrics
 from ddpkit.train import JobConfig, Task, Trainer
 
+pytestmark = pytest.mark.slow  # each file spawns its ranks once, for a few seconds
+
 
 def _data(n: int, seed: int) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
@@ -41,8 +43,23 @@ def _fit_both(env, out: str, compression: str | None = None) -> dict:
     return results
 
 
-def test_native_engine_trains_exactly_like_torch_ddp(tmp_path) -> None:
-    for result in run_ranks(_fit_both, 2, str(tmp_path)):
+def _plain_and_powersgd(env, out: str) -> dict:
+    # Rank 2 after 3 plain steps: torch's PowerSGDState gets the native hook's settings.
+    return {
+        "plain": _fit_both(env, f"{out}/plain"),
+        "powersgd": _fit_both(env, f"{out}/powersgd", "powersgd:2:3"),
+    }
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> list[dict]:
+    """Both engines without and with PowerSGD, in one world of 2 ranks (spawned once: its start-up
+    costs more than the fits)."""
+    return run_ranks(_plain_and_powersgd, 2, str(tmp_path_factory.mktemp("fits")))
+
+
+def test_native_engine_trains_exactly_like_torch_ddp(fits) -> None:
+    for result in (rank["plain"] for rank in fits):
         torch_run, native_run = result["torch"], result["native"]
         assert native_run["native"] and not torch_run["native"]
         assert native_run["losses"] == torch_run["losses"]
@@ -50,9 +67,8 @@ def test_native_engine_trains_exactly_like_torch_ddp(tmp_path) -> None:
             assert torch.equal(native_run["state"][name], value), name
 
 
-def test_a_powersgd_setting_is_the_same_on_both_engines(tmp_path) -> None:
-    # Rank 2 after 3 plain steps: torch's PowerSGDState gets the native hook's settings.
-    for result in run_ranks(_fit_both, 2, str(tmp_path), "powersgd:2:3"):
+def test_a_powersgd_setting_is_the_same_on_both_engines(fits) -> None:
+    for result in (rank["powersgd"] for rank in fits):
         torch_run, native_run = result["torch"], result["native"]
         # (loss, eval_loss) pairs, flattened to the numbers: pytest.approx takes no nested
         # structures (pytest >= 9) and no None; the None pattern must match exactly.

@@ -40,6 +40,8 @@ from pathlib import Path
 import pytest
 from torch_ddp_selection import EXCLUDED, SELECTED
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("expecttest", reason="torch's distributed test utilities import expecttest")
 
 RUNNER = Path(__file__).with_name("torch_ddp_runner.py")

@@ -75,6 +75,7 @@ def _reference(n: int, global_batch: int) -> tuple[dict, list[float], list[float
     return model.state_dict(), lrs, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "n", "global_batch", "micro_batch", "zero_last"),
     [
@@ -120,6 +121,7 @@ def _evaluate(n: int) -> dict:
         run.finish()
 
 
+@pytest.mark.slow
 def test_evaluate_is_exact_over_uneven_shards():
     n = 10  # 4, 3 and 3 samples on three ranks; batches of 3 leave partial ones
     results = ddpkit.launch(_evaluate, 3, (n,))
@@ -139,6 +141,7 @@ def _differs_on_rank1() -> None:
         run.close()
 
 
+@pytest.mark.slow
 def test_a_model_that_differs_between_ranks_is_one_clear_error():
     with pytest.raises(
         ddpkit.LaunchError, match=r"replicas differ at run.setup.*ranks \[1\].*do not seed per rank"
@@ -159,6 +162,7 @@ def _non_finite() -> None:
         run.close()
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_stops_every_rank_naming_the_step():
     with pytest.raises(ddpkit.LaunchError, match=r"step 1: the gradient norm is (inf|nan) on every rank"):
         ddpkit.launch(_non_finite, 2)

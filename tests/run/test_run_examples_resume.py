@@ -11,6 +11,8 @@ import pytest
 import torch
 from test_run_resume import kill_job_at
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

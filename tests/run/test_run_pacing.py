@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +41,7 @@ def _fast_loop(out: str) -> tuple[int, int]:
     return run.monitor.every, run.monitor.check_every
 
 
+@pytest.mark.slow
 def test_a_fast_loop_logs_less_often_and_every_rank_paces_alike(tmp_path):
     paces = ddpkit.launch(_fast_loop, 2, (str(tmp_path),))
     assert paces[0] == paces[1]  # else the ranks' gathers would not have matched

@@ -29,6 +29,7 @@ def _drift_on_rank1() -> None:
         run.close()
 
 
+@pytest.mark.slow
 def test_a_replica_that_drifts_stops_every_rank_at_the_next_check():
     with pytest.raises(ddpkit.LaunchError, match=r"replicas differ at step 4 \(model\): ranks \[1\].*'bias'"):
         ddpkit.launch(_drift_on_rank1, 2)

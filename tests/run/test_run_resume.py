@@ -18,6 +18,8 @@ import pytest
 import torch
 from helpers import descendants
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

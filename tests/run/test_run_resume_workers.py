@@ -10,7 +10,10 @@ import os
 import signal
 import subprocess
 
+import pytest
 from test_run_resume import SLOW, _cmd, _kill_job_at, _model, _ranks, _run, _same, _wait_for_step
+
+pytestmark = pytest.mark.slow
 
 
 def test_with_dataloader_workers_a_killed_job_and_a_killed_rank_both_resume_bit_identical(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,20 +78,31 @@ def _losses(out) -> list[float]:
 
 # micro-batch 1 makes each step slow enough (12 forward/backward passes) to be killed mid-run.
 SLOW = ["--micro-batch", "1", "--steps", "40", "--save-every", "5"]
+# One epoch of the toy's 3686 training samples: 308 steps of 12, the last one partial (2 samples).
+EPOCH = ["--micro-batch", "1", "--epochs", "1", "--save-every", "20", "--log-samples"]
+
+pytestmark = pytest.mark.slow
 
 
-def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    _run(tmp_path / "whole", 2, *SLOW)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The uninterrupted run the SIGKILL and SIGTERM tests resume to: 2 processes, SLOW."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    _run(out, 2, *SLOW)
+    return out
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path, whole):
     killed_at = _run_and_kill(tmp_path / "cut", 2, 12, *SLOW)
     assert 12 < killed_at < 40, f"the run was not cut mid-way (last logged step {killed_at})"
     assert not (tmp_path / "cut" / "model.pt").exists()
     done = _run(tmp_path / "cut", 2, *SLOW, "--resume", "auto")
     assert "resumed from" in done.stdout
-    whole, cut = _model(tmp_path / "whole"), _model(tmp_path / "cut")
-    assert all(torch.equal(whole[k], cut[k]) for k in whole), (
+    reference, cut = _model(whole), _model(tmp_path / "cut")
+    assert all(torch.equal(reference[k], cut[k]) for k in reference), (
         "resumed model differs from the uninterrupted one"
     )
-    assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
+    assert _losses(tmp_path / "cut") == _losses(whole)
 
 
 def _consumed(out, nproc: int) -> list[int]:
@@ -101,48 +113,65 @@ def _consumed(out, nproc: int) -> list[int]:
     return taken
 
 
+@pytest.fixture(scope="module")
+def whole_epoch(tmp_path_factory) -> Path:
+    """The uninterrupted epoch on 2 processes, which both resized runs end near."""
+    out = tmp_path_factory.mktemp("whole_epoch") / "run"
+    _run(out, 2, *EPOCH)
+    return out
+
+
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_resume_at_another_world_size(tmp_path, before, after):
-    # One epoch of the toy's 3686 training samples: 308 steps of 12, the last one partial (2 samples).
-    epoch = ["--micro-batch", "1", "--epochs", "1", "--save-every", "20", "--log-samples"]
-    _run(tmp_path / "whole", before, *epoch)
-    killed_at = _run_and_kill(tmp_path / "cut", before, 30, *epoch)
+def test_resume_at_another_world_size(tmp_path, whole_epoch, before, after):
+    killed_at = _run_and_kill(tmp_path / "cut", before, 30, *EPOCH)
     assert killed_at < 308
-    _run(tmp_path / "cut", after, *epoch, "--resume", "auto")
-    whole, cut = _model(tmp_path / "whole"), _model(tmp_path / "cut")
+    _run(tmp_path / "cut", after, *EPOCH, "--resume", "auto")
+    # Up to the summation order of 12 samples on 1 process versus 6 + 6 on 2, whichever part of
+    # the epoch ran on which: the same tolerance against the 2-process run for both orders.
+    whole, cut = _model(whole_epoch), _model(tmp_path / "cut")
     for name in whole:
         assert torch.allclose(cut[name], whole[name], rtol=1e-5, atol=1e-7), name
     taken = _consumed(tmp_path / "cut", max(before, after))
     assert sorted(taken) == list(range(3686)), "an epoch must use every sample exactly once"
 
 
-def test_losses_do_not_depend_on_world_size(tmp_path):
-    losses = {}
+# Checkpoints every 5 steps, the last 3 kept: for the corrupt-checkpoint test's resume.
+WORLDS = ["--steps", "20", "--save-every", "5", "--keep-last", "3"]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[int, Path]:
+    """The same 20 steps on 1, 2 and 3 processes."""
+    root = tmp_path_factory.mktemp("worlds")
     for nproc in (1, 2, 3):
-        _run(tmp_path / f"w{nproc}", nproc, "--steps", "20")
-        losses[nproc] = _losses(tmp_path / f"w{nproc}")
+        _run(root / f"w{nproc}", nproc, *WORLDS)
+    return {nproc: root / f"w{nproc}" for nproc in (1, 2, 3)}
+
+
+def test_losses_do_not_depend_on_world_size(worlds):
+    losses = {nproc: _losses(out) for nproc, out in worlds.items()}
     for nproc in (2, 3):
         assert len(losses[nproc]) == 20
         for step, (a, b) in enumerate(zip(losses[1], losses[nproc], strict=True), 1):
             assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: world 1 loss {a} vs world {nproc} loss {b}"
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    run = ["--steps", "20", "--save-every", "5", "--keep-last", "3"]
-    _run(tmp_path / "whole", 2, *run)
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, worlds):
+    shutil.copytree(worlds[2], tmp_path / "whole")  # a copy: the run's own folder stays as it ended
     newest = tmp_path / "whole" / "checkpoints" / "step-00000020" / "state.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a truncated write
     reference = _model(tmp_path / "whole")
-    done = _run(tmp_path / "whole", 2, *run, "--resume", "auto")
+    done = _run(tmp_path / "whole", 2, *WORLDS, "--resume", "auto")
     assert "resumed from" in done.stdout and "step-00000015" in done.stdout
     assert "step-00000020 is corrupt" in done.stderr
     again = _model(tmp_path / "whole")
     assert all(torch.equal(reference[k], again[k]) for k in reference)  # steps 16-20 redone exactly
 
 
-def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_path):
-    run = ["--micro-batch", "1", "--steps", "40", "--save-every", "1000"]  # no periodic checkpoint
-    _run(tmp_path / "whole", 2, *run)
+def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_path, whole):
+    # SLOW without its periodic checkpoints; the reference saved every 5 steps, and saving must
+    # not change what is trained.
+    run = ["--micro-batch", "1", "--steps", "40", "--save-every", "1000"]
     cut = tmp_path / "cut"
     proc = subprocess.Popen(_cmd(cut, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -157,6 +186,6 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_p
     assert 10 <= stopped_at < 40
     assert [p.name for p in (cut / "checkpoints").iterdir()] == [f"step-{stopped_at:08d}"]
     _run(cut, 2, *run, "--resume", "auto")
-    whole, resumed = _model(tmp_path / "whole"), _model(cut)
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert _losses(cut) == _losses(tmp_path / "whole")
+    reference, resumed = _model(whole), _model(cut)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+    assert _losses(cut) == _losses(whole)

@@ -10,8 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import descendants
+
+pytestmark = pytest.mark.slow
 
 RUN = [
     "toy",

@@ -23,10 +23,33 @@ def _train(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
 
-def test_a_task_file_trains_with_its_own_optimizer_evaluates_and_resumes(tmp_path):
-    out = tmp_path / "mlp"
-    args = [EXAMPLE, "--nproc", "2", "--global-batch", "64", "--lr", "0.05", "--out", str(out)]
-    first = _train(*args, "--steps", "30", "--save-every", "15", "--eval-every", "15", "--log-every", "5")
+MLP = [EXAMPLE, "--nproc", "2", "--global-batch", "64", "--lr", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The example task trained for 30 steps, with checkpoints at steps 15 and 30."""
+    out = tmp_path_factory.mktemp("mlp") / "run"
+    done = _train(
+        *MLP,
+        "--out",
+        str(out),
+        "--steps",
+        "30",
+        "--save-every",
+        "15",
+        "--eval-every",
+        "15",
+        "--log-every",
+        "5",
+    )
+    return out, done
+
+
+@pytest.mark.slow
+def test_a_task_file_trains_with_its_own_optimizer_evaluates_and_resumes(mlp):
+    out, first = mlp
+    args = [*MLP, "--out", str(out)]
     assert first.returncode == 0, first.stderr[-3000:]
     assert "ddpkit: task_mlp trained to step 30 on 2 processes" in first.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -40,6 +63,7 @@ def test_a_task_file_trains_with_its_own_optimizer_evaluates_and_resumes(tmp_pat
     assert "has steps=30 but this command gives 40; pass --steps 30 to continue it" in changed.stderr
 
 
+@pytest.mark.slow
 def test_a_module_build_spec_runs_like_a_file(tmp_path, monkeypatch):
     (tmp_path / "mytask.py").write_text(Path(EXAMPLE).read_text())
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{Path(__file__).parents[2] / 'src'}")
@@ -54,6 +78,7 @@ BAD_TASKS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("source", "message"), BAD_TASKS)
 def test_a_file_that_is_not_a_task_is_one_line(tmp_path, source, message):
     task = tmp_path / "bad.py"
@@ -121,11 +146,12 @@ def test_bad_values_are_one_line_in_the_commands_words(tmp_path, capsys, args, m
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_resume_from_a_checkpoint_of_another_model_is_one_line(tmp_path):
-    toy = _train("toy", "--steps", "2", "--global-batch", "8", "--out", str(tmp_path / "toy"))
-    assert toy.returncode == 0, toy.stderr[-2000:]
-    checkpoint = tmp_path / "toy" / "checkpoints" / "step-00000002"
-    other = _train(EXAMPLE, "--global-batch", "8", "--resume", str(checkpoint), "--out", str(tmp_path / "o"))
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_of_another_model_is_one_line(tmp_path, mlp):
+    out, done = mlp
+    assert done.returncode == 0, done.stderr[-2000:]
+    checkpoint = out / "checkpoints" / "step-00000030"  # the task's model, resumed into the toy's
+    other = _train("toy", "--global-batch", "8", "--resume", str(checkpoint), "--out", str(tmp_path / "o"))
     assert other.returncode == 2
     assert f"cannot resume 'model' from {checkpoint}: it holds another model" in other.stderr
     assert "Traceback" not in other.stderr

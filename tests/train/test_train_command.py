@@ -24,6 +24,7 @@ def _records(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_toy_trains_logs_and_saves(tmp_path):
     out = tmp_path / "toy"
     done = _train("toy", "--nproc", "2", "--steps", "60", "--log-every", "10", "--out", str(out))
@@ -40,6 +41,7 @@ def test_toy_trains_logs_and_saves(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000050", "step-00000060"]
 
 
+@pytest.mark.slow
 def test_convnet_trains_on_bundled_digits(tmp_path):
     out = tmp_path / "convnet"
     done = _train("convnet", "--nproc", "2", "--steps", "30", "--log-every", "15", "--out", str(out))
@@ -49,6 +51,7 @@ def test_convnet_trains_on_bundled_digits(tmp_path):
     ConvNet(num_classes=10, image_size=8).load_state_dict(torch.load(out / "model.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_gpt_trains_and_prints_a_sample(tmp_path):
     out = tmp_path / "gpt"
     done = _train(
@@ -123,6 +126,7 @@ def test_help_exits_0(capsys):
     assert "``" not in capsys.readouterr().out  # the docstrings' reST quotes stay out of the help
 
 
+@pytest.mark.slow
 def test_real_process_exit_code_and_no_traceback():
     done = _train("--nproc", "0", timeout=60)
     assert done.returncode == 2

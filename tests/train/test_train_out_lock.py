@@ -6,6 +6,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 TOY = [
     "toy",
     "--nproc",

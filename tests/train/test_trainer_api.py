@@ -3,6 +3,8 @@ own optimizer and scheduler, models that return their loss, dict batches, DataLo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,44 +33,30 @@ def fit(env, out: str, steps: int, changes: dict | None = None, task: dict | Non
     values = dict(out=out, steps=steps, global_batch=12, lr=1e-2, warmup_steps=2, log_every=1)
     cfg = JobConfig.from_values({**values, "eval_every": steps, "progress": False, **(changes or {})})
     run = Run(**cfg.run_options())
-    parts = {"model": _model, "dataset": _data(60, 1), "loss_fn": F.mse_loss, "eval_dataset": _data(41, 2)}
-    parts.update(task or {})
-    parts["model"] = parts["model"]()  # built here, after the run seeded every rank alike
-    trainer = Trainer(run, Task(**parts), cfg.train)
-    trainer.fit()
+    try:
+        parts = {
+            "model": _model,
+            "dataset": _data(60, 1),
+            "loss_fn": F.mse_loss,
+            "eval_dataset": _data(41, 2),
+        }
+        parts.update(task or {})
+        parts["model"] = parts["model"]()  # built here, after the run seeded every rank alike
+        trainer = Trainer(run, Task(**parts), cfg.train)
+        trainer.fit()
+    finally:
+        run.close()  # also after an error, so that the next fit of the same world starts clean
     records = read_metrics(trainer.run.out / "metrics.jsonl") if env.is_rank0 else []
     return records, {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_eval_is_exact_over_uneven_shards_and_matches_one_process(tmp_path, world_size):
-    (one, one_state), *_ = run_ranks(fit, 1, str(tmp_path / "w1"), 6)
-    (many, many_state), *_ = run_ranks(fit, world_size, str(tmp_path / "wn"), 6)
-    assert one[-1]["eval_samples"] == many[-1]["eval_samples"] == 41  # no padding counted
-    assert many[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
-    for name in one_state:
-        torch.testing.assert_close(many_state[name], one_state[name], rtol=1e-5, atol=1e-6)
-
-
-def test_micro_batches_accumulate_to_the_same_step(tmp_path):
-    whole = run_ranks(fit, 2, str(tmp_path / "a"), 5)
-    micro = run_ranks(fit, 2, str(tmp_path / "b"), 5, {"micro_batch": 2})  # 3 micro-batches per rank
-    for name, value in whole[0][1].items():
-        torch.testing.assert_close(micro[0][1][name], value, rtol=1e-5, atol=1e-6)
-    assert all(torch.equal(micro[0][1][k], micro[1][1][k]) for k in micro[0][1])
-
-
-def test_bf16_autocast_trains_like_fp32(tmp_path):
-    bf16 = [r["loss"] for r in run_ranks(fit, 2, str(tmp_path / "a"), 20, {"precision": "bf16"})[0][0]]
-    fp32 = [r["loss"] for r in run_ranks(fit, 2, str(tmp_path / "b"), 20)[0][0]]
-    assert bf16[-1] < 0.7 * bf16[0]
-    assert bf16[-1] == pytest.approx(fp32[-1], rel=0.1)  # bf16 keeps ~3 significant digits
-    assert bf16 != fp32  # autocast really ran in bf16
-
-
-def test_fp16_on_cpu_is_refused(tmp_path):
-    with pytest.raises(Exception, match=r"precision='fp16' \(a GradScaler\)"):
-        run_ranks(fit, 1, str(tmp_path), 2, {"precision": "fp16"})
+def _error(env, out: str, steps: int, changes: dict | None = None, task: dict | None = None) -> str:
+    """What fit raised, as 'Type: message'."""
+    try:
+        fit(env, out, steps, changes, task)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def _sgd(params):
@@ -79,8 +67,80 @@ def _halving(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
-def test_the_tasks_own_optimizer_and_scheduler_are_used_as_given(tmp_path):
-    records, _ = run_ranks(fit, 2, str(tmp_path), 6, None, {"optimizer": _sgd, "scheduler": _halving})[0]
+# Every fit of the file in three spawned worlds (of 1, 2 and 3 ranks) rather than one world per fit:
+# a world's start-up (each rank imports torch) costs more than its fits.
+def _world_of_one(env, root: str) -> dict:
+    return {
+        "eval": fit(env, f"{root}/eval", 6),
+        "fp16": _error(env, f"{root}/fp16", 2, {"precision": "fp16"}),
+        "logits": _error(env, f"{root}/logits", 2, None, {"model": Logits, "loss_fn": None}),
+    }
+
+
+def _world_of_two(env, root: str) -> dict:
+    dicts = {"model": ReturnsLoss, "dataset": Dicts(_data(60, 1)), "loss_fn": None, "eval_dataset": None}
+    return {
+        "eval": fit(env, f"{root}/eval", 6),
+        "whole": fit(env, f"{root}/whole", 5),
+        "micro": fit(env, f"{root}/micro", 5, {"micro_batch": 2}),  # 3 micro-batches per rank
+        "bf16": fit(env, f"{root}/bf16", 20, {"precision": "bf16"}),
+        "fp32": fit(env, f"{root}/fp32", 20),
+        "own": fit(env, f"{root}/own", 6, None, {"optimizer": _sgd, "scheduler": _halving}),
+        # 8 steps of 5 an epoch: the workers persist into the second epoch.
+        "plain": fit(env, f"{root}/plain", 8),
+        "dicts": fit(env, f"{root}/dicts", 8, {"num_workers": 2}, dicts),
+    }
+
+
+def _world_of_three(env, root: str) -> dict:
+    return {"eval": fit(env, f"{root}/eval", 6), "desynced": _desynced(env)}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[int, list[dict]]:
+    """Each world's results, one dict per rank."""
+    root = tmp_path_factory.mktemp("trainer_api")
+    parts = {1: _world_of_one, 2: _world_of_two, 3: _world_of_three}
+    return {size: run_ranks(part, size, str(root / f"w{size}")) for size, part in parts.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_eval_is_exact_over_uneven_shards_and_matches_one_process(worlds, world_size):
+    one, one_state = worlds[1][0]["eval"]
+    many, many_state = worlds[world_size][0]["eval"]
+    assert one[-1]["eval_samples"] == many[-1]["eval_samples"] == 41  # no padding counted
+    assert many[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
+    for name in one_state:
+        torch.testing.assert_close(many_state[name], one_state[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_micro_batches_accumulate_to_the_same_step(worlds):
+    whole, micro = ([rank[name] for rank in worlds[2]] for name in ("whole", "micro"))
+    for name, value in whole[0][1].items():
+        torch.testing.assert_close(micro[0][1][name], value, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(micro[0][1][k], micro[1][1][k]) for k in micro[0][1])
+
+
+@pytest.mark.slow
+def test_bf16_autocast_trains_like_fp32(worlds):
+    bf16 = [r["loss"] for r in worlds[2][0]["bf16"][0]]
+    fp32 = [r["loss"] for r in worlds[2][0]["fp32"][0]]
+    assert bf16[-1] < 0.7 * bf16[0]
+    assert bf16[-1] == pytest.approx(fp32[-1], rel=0.1)  # bf16 keeps ~3 significant digits
+    assert bf16 != fp32  # autocast really ran in bf16
+
+
+@pytest.mark.slow
+def test_fp16_on_cpu_is_refused(worlds):
+    assert worlds[1][0]["fp16"].startswith("ConfigError: ")
+    assert "precision='fp16' (a GradScaler)" in worlds[1][0]["fp16"]
+
+
+@pytest.mark.slow
+def test_the_tasks_own_optimizer_and_scheduler_are_used_as_given(worlds):
+    records, _ = worlds[2][0]["own"]
     # The rate each step ran at: the user's StepLR, never overwritten by a schedule of ddpkit's.
     assert [r["lr"] for r in records] == pytest.approx([0.05, 0.05, 0.025, 0.025, 0.0125, 0.0125])
 
@@ -109,11 +169,9 @@ class Dicts(Dataset):
         return {"x": x, "labels": y}
 
 
-def test_a_model_that_returns_its_loss_from_dict_batches_with_workers_trains_the_same(tmp_path):
-    # 8 steps of 5 an epoch: the workers persist into the second epoch.
-    plain = run_ranks(fit, 2, str(tmp_path / "a"), 8)[0]
-    task = {"model": ReturnsLoss, "dataset": Dicts(_data(60, 1)), "loss_fn": None, "eval_dataset": None}
-    dicts = run_ranks(fit, 2, str(tmp_path / "b"), 8, {"num_workers": 2}, task)[0]
+@pytest.mark.slow
+def test_a_model_that_returns_its_loss_from_dict_batches_with_workers_trains_the_same(worlds):
+    plain, dicts = worlds[2][0]["plain"], worlds[2][0]["dicts"]
     assert [r["loss"] for r in dicts[0]] == pytest.approx([r["loss"] for r in plain[0]], rel=1e-6)
     for name, value in plain[1].items():
         torch.testing.assert_close(dicts[1][f"net.{name}"], value, rtol=1e-6, atol=1e-7)
@@ -124,9 +182,10 @@ class Logits(ReturnsLoss):
         return self.net(x)
 
 
-def test_a_model_without_a_loss_and_no_loss_fn_is_a_clear_error(tmp_path):
-    with pytest.raises(Exception, match=r"must return its loss .* it returned a tensor of shape \(12, 2\)"):
-        run_ranks(fit, 1, str(tmp_path), 2, None, {"model": Logits, "loss_fn": None})
+@pytest.mark.slow
+def test_a_model_without_a_loss_and_no_loss_fn_is_a_clear_error(worlds):
+    message = worlds[1][0]["logits"]
+    assert re.search(r"must return its loss .* it returned a tensor of shape \(12, 2\)", message), message
 
 
 def _desynced(env) -> str:
@@ -142,8 +201,9 @@ def _desynced(env) -> str:
     return "agreed"
 
 
-def test_desynced_replica_is_named():
-    messages = run_ranks(_desynced, 3)
+@pytest.mark.slow
+def test_desynced_replica_is_named(worlds):
+    messages = [rank["desynced"] for rank in worlds[3]]
     assert messages[0] == messages[2] == messages[1]
     assert "ranks [1] disagree with rank 0, first at '1.bias'" in messages[0]
 

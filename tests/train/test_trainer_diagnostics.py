@@ -55,9 +55,32 @@ def _straggler_run(env, out: str, engine: str) -> list[dict]:
     return read_metrics(Path(out) / "metrics.jsonl") if env.is_rank0 else []
 
 
+def _nan_run(env, out: str, on_nonfinite: str) -> tuple[int, bool]:
+    # Sample 5 is NaN; with shuffle it lands in some step on one rank only.
+    trainer = _trainer(out, data=_data(bad=5), on_nonfinite=on_nonfinite)
+    trainer.fit()
+    finite = all(torch.isfinite(p).all() for p in trainer.model.module.parameters())
+    return trainer.run.cycle.skipped_steps, finite
+
+
+def _runs_that_finish(env, root: str) -> dict:
+    """The runs that end well, one after another in one world (a world's start-up costs more)."""
+    return {
+        "torch": _straggler_run(env, f"{root}/torch", "torch"),
+        "native": _straggler_run(env, f"{root}/native", "native"),
+        "skip": _nan_run(env, f"{root}/skip", "skip"),
+    }
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> list[dict]:
+    return run_ranks(_runs_that_finish, 2, str(tmp_path_factory.mktemp("finished")))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "native"])
-def test_straggler_shows_in_per_rank_timings(tmp_path, engine):
-    records = run_ranks(_straggler_run, 2, str(tmp_path), engine)[0]
+def test_straggler_shows_in_per_rank_timings(finished, engine):
+    records = finished[0][engine]
     ranks = records[-1]["ranks"]  # steps 4 to 6: rank 1 spent 3 x 20 ms more in forward
     assert ranks[1]["compute_s"] > 1.5 * ranks[0]["compute_s"]
     # Rank 0 waits those in the all-reduce, which its comm wait holds, not its compute.
@@ -77,19 +100,12 @@ def test_straggler_rule():
     assert stragglers(tiny) == []
 
 
-def _nan_run(env, out: str, on_nonfinite: str) -> tuple[int, bool]:
-    # Sample 5 is NaN; with shuffle it lands in some step on one rank only.
-    trainer = _trainer(out, data=_data(bad=5), on_nonfinite=on_nonfinite)
-    trainer.fit()
-    finite = all(torch.isfinite(p).all() for p in trainer.model.module.parameters())
-    return trainer.run.cycle.skipped_steps, finite
+@pytest.mark.slow
+def test_non_finite_gradient_skips_the_step_on_every_rank(finished):
+    assert finished[0]["skip"] == finished[1]["skip"] == (1, True)  # the same step on both, weights intact
 
 
-def test_non_finite_gradient_skips_the_step_on_every_rank(tmp_path):
-    results = run_ranks(_nan_run, 2, str(tmp_path), "skip")
-    assert results[0] == results[1] == (1, True)  # the same step skipped on both ranks, weights intact
-
-
+@pytest.mark.slow
 def test_non_finite_gradient_stops_the_run_naming_the_step(tmp_path):
     with pytest.raises(LaunchError, match=r"FloatingPointError: step \d+: the gradient norm is nan"):
         run_ranks(_nan_run, 2, str(tmp_path), "stop")
@@ -109,6 +125,7 @@ def _desync_run(env, out: str) -> None:
     _trainer(out, kind=Desync).fit()
 
 
+@pytest.mark.slow
 def test_desync_is_caught_at_the_next_check(tmp_path):
     with pytest.raises(
         LaunchError,
@@ -122,6 +139,7 @@ def _mismatched_config_run(env, out: str) -> None:
     check_same_job(JobConfig.from_values({"out": out, "lr": lr}), env)
 
 
+@pytest.mark.slow
 def test_ranks_with_different_configs_stop_at_start(tmp_path):
     with pytest.raises(LaunchError, match=r"ranks \[1\] run a different configuration"):
         run_ranks(_mismatched_config_run, 2, str(tmp_path))
