@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,3 +43,26 @@ def descendants(pid: int | None = None) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+# `python -m ddpkit ARGS` with its imports done before it waits for HOST:PORT to answer. Started
+# beside the node it joins or races, it acts the moment that node listens, however long imports
+# take on a busy machine (seconds on 2 quiet cores, tens of seconds at a load average of 20).
+_PRIMED = """
+import socket, sys, time
+import ddpkit.cli, ddpkit.launch.elastic, ddpkit.train.command  # the slow imports, done first
+host, port, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        break
+    except OSError:
+        time.sleep(0.05)
+sys.exit(ddpkit.cli.main(sys.argv[4:]))
+"""
+
+
+def primed_ddpkit(host: str, port: int, wait: float, *args: str) -> list[str]:
+    """The command line of `python -m ddpkit ARGS` that, imports done, first waits up to ``wait``
+    seconds for HOST:PORT to accept a connection."""
+    return [sys.executable, "-c", _PRIMED, host, str(port), str(wait), *args]

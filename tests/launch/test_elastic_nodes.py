@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import defaultdict
 
+import pytest
 import torch
 
 from ddpkit.launch.ports import free_port
+
+pytestmark = pytest.mark.slow
 
 EPOCH_SAMPLES = 3686  # the toy's training split; 308 steps of 12, the last one of 2
 RUN = "toy --global-batch 12 --epochs 1 --log-every 1 --save-every 10 --log-samples --micro-batch 1 --seed 3"
@@ -31,11 +33,11 @@ RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=4
 DDPKIT = [sys.executable, "-m", "ddpkit", "train"]
 
 
-def _node(out, port: int, *extra: str) -> subprocess.Popen:
+def _node(out, port: int, conf: str, *extra: str) -> subprocess.Popen:
     launch = f"--nnodes 1:2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id elastic"
     cmd = [*DDPKIT, *RUN.split(), "--out", str(out), *launch.split(), "--max-restarts", "3"]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
-    return subprocess.Popen([*cmd, "--rdzv-conf", RDZV_CONF, *extra], **pipes)
+    return subprocess.Popen([*cmd, "--rdzv-conf", conf, *extra], **pipes)
 
 
 def _last_step(out) -> int:
@@ -51,14 +53,6 @@ def _wait(condition, proc: subprocess.Popen, what: str, limit: float = 60) -> No
         assert proc.poll() is None, f"the first node exited before {what}:\n{proc.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, f"no {what} within {limit} s"
         time.sleep(0.005)
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
 
 
 def _steps(out) -> dict[int, dict[str, list[int]]]:
@@ -77,15 +71,16 @@ def test_a_node_leaves_and_the_rest_finish_the_epoch(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     out, port = tmp_path / "elastic", free_port()
-    first = _node(out, port)
-    second = None
+    # Both nodes start at once, so the second joins the first round within its last_call_timeout
+    # however slowly processes start on this machine (started once the first node listened, it
+    # had to start up within those 10 s). The first node hosts the c10d store and must be the one
+    # that stays (the store dies with its host): is_host=0 keeps the second from hosting it, and it
+    # waits for the first one's. --node-rank 1 only stops `ddpkit train` on the second node from
+    # preparing the shared --out a second time; c10d itself ignores it.
+    first = _node(out, port, RDZV_CONF)
+    second = _node(out, port, f"{RDZV_CONF},is_host=0", "--node-rank", "1")
     try:
-        # The first node hosts the c10d store; it must be the one that stays (the store dies with
-        # its host). --node-rank 1 only stops `ddpkit train` on the second node from preparing the
-        # shared --out a second time; c10d itself ignores it.
-        _wait(lambda: _listening(port), first, "rendezvous store")
-        second = _node(out, port, "--node-rank", "1")
-        _wait(lambda: _last_step(out) >= 25, first, "step 25")
+        _wait(lambda: _last_step(out) >= 25, first, "step 25", limit=120)  # start-up included
         os.kill(second.pid, signal.SIGKILL)  # its worker follows (PR_SET_PDEATHSIG)
         killed_at = _last_step(out)
         stdout, stderr = first.communicate(timeout=120)

@@ -18,9 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import primed_ddpkit
 from run_scripts import HANG_SCRIPT, SLEEP_SCRIPT, listening
 
+pytestmark = pytest.mark.slow
+
 RUN = "toy --global-batch 12 --steps 12 --log-every 1 --seed 3"
+# Seconds a `ddpkit train` may take to start and reach its rendezvous: about 3 on 2 quiet cores,
+# ten times that at a load average of 20 on the shared machine.
+STARTUP = 45
+# One thread per process wherever runs are compared bit for bit: ddpkit gives a worker cores / local
+# processes threads, so 2 processes on each of two machines and 4 on one get the same count only on
+# a 2-core machine, and a float sum over 2 threads need not equal the sum over 1.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # The namespaces are new and empty, so nothing else can hold this port in them.
 PORT = 29400
 SUBNET = "10.123.0"
@@ -66,25 +76,20 @@ def machines():
             _ip("netns", "del", host["ns"])  # takes the veth pair with it
 
 
-def _node(host: dict, out, flags: str, run: str = RUN) -> subprocess.Popen:
+def _ddpkit(args: list[str], after: dict | None) -> list[str]:
+    """`python -m ddpkit ARGS`; with ``after``, started at once but acting (imports done) only once
+    node 0 listens on that host's PORT, so that node 0 is the one that hosts the rendezvous."""
+    if after is None:
+        return [sys.executable, "-m", "ddpkit", *args]
+    return primed_ddpkit(after["addr"], PORT, STARTUP, *args)
+
+
+def _node(host: dict, out, flags: str, run: str = RUN, after: dict | None = None) -> subprocess.Popen:
     """`ddpkit train` inside a namespace; gloo is told which interface is the network."""
-    train = [sys.executable, "-m", "ddpkit", "train", *run.split(), "--out", str(out), *flags.split()]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": host["iface"]}
+    train = _ddpkit(["train", *run.split(), "--out", str(out), *flags.split()], after)
+    env = {**os.environ, **ONE_THREAD, "GLOO_SOCKET_IFNAME": host["iface"]}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(["ip", "netns", "exec", host["ns"], *train], env=env, **pipes)
-
-
-def _listening(host: dict) -> bool:
-    probe = f"import socket; socket.create_connection(('{host['addr']}', {PORT}), 0.5)"
-    cmd = ["ip", "netns", "exec", host["ns"], sys.executable, "-c", probe]
-    return subprocess.run(cmd, capture_output=True).returncode == 0
-
-
-def _wait_listening(host: dict, proc: subprocess.Popen, limit: float = 30) -> None:
-    deadline = time.monotonic() + limit
-    while not _listening(host):
-        assert proc.poll() is None and time.monotonic() < deadline, "node 0 never listened"
-        time.sleep(0.1)
 
 
 def _finish(proc: subprocess.Popen, limit: float) -> tuple[int, str, str]:
@@ -106,7 +111,7 @@ def one_machine(tmp_path_factory):
     """The reference: the same run as 4 processes on one machine (no namespaces)."""
     out = tmp_path_factory.mktemp("one_machine")
     cmd = [sys.executable, "-m", "ddpkit", "train", *RUN.split(), "--nproc", "4", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **ONE_THREAD})
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -126,8 +131,7 @@ def test_two_machines_of_two_equal_one_machine_of_four(machines, one_machine, tm
         launch = f"--master-addr {a['addr']} --master-port {PORT}"
         flags = [f"{launch} --node-rank 0", f"{launch} --node-rank 1"]
     first = _node(a, out, f"--nnodes 2 --nproc 2 {flags[0]}")
-    _wait_listening(a, first)
-    second = _node(b, out, f"--nnodes 2 --nproc 2 {flags[1]}")
+    second = _node(b, out, f"--nnodes 2 --nproc 2 {flags[1]}", after=a)
     for proc in (first, second):
         code, _, err = _finish(proc, 180)
         assert code == 0, err[-3000:]
@@ -142,23 +146,18 @@ def test_two_machines_of_two_equal_one_machine_of_four(machines, one_machine, tm
 TASK = Path(__file__).parents[2] / "examples" / "task_mlp.py"
 
 
-def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path, monkeypatch):
+def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path):
     """Each node loads the user's task file itself; the ranks check they run the same job."""
     a, b = machines
-    # One thread per process in both runs: ddpkit gives a worker cores / local processes threads
-    # (2 per node here, 1 on the machine of 2), and a float sum over 2 threads need not equal the
-    # sum over 1, so bit-equality needs the same thread count on both sides.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     task = f"{TASK} --global-batch 32 --steps 8 --eval-every 4 --log-every 1 --seed 5"
     reference = tmp_path / "one_machine"
     cmd = [sys.executable, "-m", "ddpkit", "train", *task.split(), "--nproc", "2", "--out", str(reference)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **ONE_THREAD})
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "two_nodes"
     launch = f"--nnodes 2 --nproc 1 --master-addr {a['addr']} --master-port {PORT}"
     first = _node(a, out, f"{launch} --node-rank 0", run=task)
-    _wait_listening(a, first)
-    second = _node(b, out, f"{launch} --node-rank 1", run=task)
+    second = _node(b, out, f"{launch} --node-rank 1", run=task, after=a)
     outputs = []
     for proc in (first, second):
         code, stdout, err = _finish(proc, 180)
@@ -176,7 +175,7 @@ def test_unreachable_master_on_the_network(machines, tmp_path):
     _, b = machines
     # Nobody has this address on the link: connects fail (no ARP answer) until the timeout.
     static = f"--nnodes 2 --node-rank 1 --nproc 1 --master-addr {SUBNET}.9 --master-port {PORT}"
-    code, _, err = _finish(_node(b, tmp_path / "out", f"{static} --rdzv-conf timeout=3"), 3 + 15)
+    code, _, err = _finish(_node(b, tmp_path / "out", f"{static} --rdzv-conf timeout=3"), 3 + STARTUP)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err[-3000:]
     assert f"nothing answered at --master-addr/--master-port {SUBNET}.9:{PORT} within 3 s" in lines[0]
@@ -187,21 +186,24 @@ def test_a_node_zero_on_the_wrong_machine(machines, tmp_path):
     static = f"--nnodes 2 --node-rank 0 --nproc 1 --master-addr {a['addr']} --master-port {PORT}"
     real = _node(a, tmp_path / "a", f"{static} --rdzv-conf timeout=5")
     try:
-        _wait_listening(a, real)
-        code, _, err = _finish(_node(b, tmp_path / "b", f"{static} --rdzv-conf timeout=5"), 15)
+        # The duplicate comes the moment the real node 0 listens, well within its 5 s timeout.
+        duplicate = _node(b, tmp_path / "b", f"{static} --rdzv-conf timeout=5", after=a)
+        code, _, err = _finish(duplicate, STARTUP + 10)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1, err[-3000:]
         assert f"another node already hosts the rendezvous at {a['addr']}:{PORT} as --node-rank 0" in lines[0]
     finally:
-        code, _, err = _finish(real, 30)
+        code, _, err = _finish(real, 5 + STARTUP)
     # The real node 0 then waits out its 5 s for node 1, which never came, and says so.
     assert code == 2 and f"--node-rank 1 did not join the rendezvous at {a['addr']}:{PORT} within 5 s" in err
 
 
-def _run_node(host: dict, flags: str, script: Path, *args: str) -> subprocess.Popen:
+def _run_node(
+    host: dict, flags: str, script: Path, *args: str, after: dict | None = None
+) -> subprocess.Popen:
     """`ddpkit run` inside a namespace (`ip netns exec` execs it: the pid is the launcher's); its
     run folder (and any report) goes beside the script."""
-    run = [sys.executable, "-m", "ddpkit", "run", *flags.split(), str(script), *args]
+    run = _ddpkit(["run", *flags.split(), str(script), *args], after)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": host["iface"], "TMPDIR": str(script.parent)}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(["ip", "netns", "exec", host["ns"], *run], env=env, **pipes)
@@ -214,8 +216,7 @@ def test_multi_node_stores_listen_on_the_nodes_addresses_only(machines, tmp_path
     launch = f"--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint {a['addr']}:{PORT} --rdzv-id bind"
     nodes = [_run_node(a, launch, script, str(ready))]  # no --local-addr: the route's address
     try:
-        _wait_listening(a, nodes[0])
-        nodes.append(_run_node(b, launch, script, str(ready)))
+        nodes.append(_run_node(b, launch, script, str(ready), after=a))
         deadline = time.monotonic() + 90
         while not ready.exists():
             assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "no workers"
@@ -238,8 +239,7 @@ def test_a_hang_across_machines_is_reported_with_the_remote_ranks_stack(machines
     launch = f"--nnodes 2 --nproc 1 --master-addr {a['addr']} --master-port {PORT} --collective-timeout 3"
     args = (script, str(tmp_path / "ready"))
     nodes = [_run_node(a, f"{launch} --node-rank 0", *args)]
-    _wait_listening(a, nodes[0])
-    nodes.append(_run_node(b, f"{launch} --node-rank 1", *args))
+    nodes.append(_run_node(b, f"{launch} --node-rank 1", *args, after=a))
     (code_a, _, err_a), (code_b, _, err_b) = (_finish(node, 120) for node in nodes)
     last_a, last_b = err_a.strip().splitlines()[-1], err_b.strip().splitlines()[-1]
     assert code_a == code_b == 1, err_a[-3000:]
@@ -261,9 +261,8 @@ def test_a_node_that_cannot_reach_node_zeros_store_says_so_in_one_line(machines,
     )
     nodes = [_run_node(a, launch, script, str(ready))]
     try:
-        _wait_listening(a, nodes[0])
-        nodes.append(_run_node(b, launch, script, str(ready)))
-        deadline = time.monotonic() + 60
+        nodes.append(_run_node(b, launch, script, str(ready), after=a))
+        deadline = time.monotonic() + STARTUP + 60  # node 0's start-up included
         while any(n.poll() is None for n in nodes):
             assert time.monotonic() < deadline, "the nodes did not give up on each other's store"
             time.sleep(0.1)

@@ -2,32 +2,42 @@
 
 Every node runs as its own `ddpkit train` process on this machine; the rendezvous timeouts are set
 short with --rdzv-conf, and each command must end before that timeout plus the time a process
-takes to start (imports take seconds on a loaded machine).
+takes to start. Torch's own waits, which a hang would run into, are longer than both together.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers import primed_ddpkit
 
 from ddpkit.cli import main
 from ddpkit.launch.ports import free_port
 
 TOY = "toy --global-batch 12 --steps 2 --nproc 1"
-STARTUP = 15.0  # seconds a `ddpkit train` process may take to reach its rendezvous here
+# Seconds a `ddpkit train` process may take to reach its rendezvous: about 3 on 2 quiet cores, but
+# importing torch alone took 39 s at load average 23 on the shared 2-core machine. Still below
+# torch's 60 s read_timeout, the wait an unresolvable address would otherwise hang in.
+STARTUP = 45.0
+# The static rendezvous timeout of the tests whose nodes must fail at once: far above STARTUP, so
+# that ending within STARTUP + 10 s shows they did not wait it out.
+LONG = 180
 
 
 class Node:
     """One `ddpkit train` process playing a node, timed from its start."""
 
-    def __init__(self, out, flags: str) -> None:
-        cmd = [sys.executable, "-m", "ddpkit", "train", *TOY.split(), "--out", str(out), *flags.split()]
+    def __init__(self, out, flags: str, after: int | None = None) -> None:
+        """``after``: start now, but act (imports done) once node 0 listens on that port."""
+        train = ["train", *TOY.split(), "--out", str(out), *flags.split()]
+        cmd = [sys.executable, "-m", "ddpkit", *train]
+        if after is not None:
+            cmd = primed_ddpkit("127.0.0.1", after, STARTUP, *train)
         self.start = time.monotonic()
         pipes = {
             "stdout": subprocess.PIPE,
@@ -59,19 +69,6 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-def wait_listening(port: int, node: Node, limit: float = STARTUP) -> None:
-    """Until node 0's rendezvous store accepts connections (then the next node may start)."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and node.proc.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    node.kill()
-    pytest.fail(f"node 0 never listened on port {port}")
-
-
 @pytest.fixture
 def nodes():
     """Nodes a test starts; any still running at the end are killed, even when the test fails."""
@@ -81,6 +78,7 @@ def nodes():
         node.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [
@@ -99,6 +97,7 @@ def test_unreachable_endpoint_is_one_line_after_the_timeout(tmp_path, nodes, fla
     assert "timeout=SECONDS" in line  # the fix: start the host, check the address, or wait longer
 
 
+@pytest.mark.slow
 def test_an_unresolvable_address_fails_at_once(tmp_path, nodes):
     endpoint = "no-such-node.invalid:29400"
     nodes.append(Node(tmp_path / "out", f"--nnodes 2 --rdzv-backend c10d --rdzv-endpoint {endpoint}"))
@@ -107,14 +106,14 @@ def test_an_unresolvable_address_fails_at_once(tmp_path, nodes):
     assert "--rdzv-endpoint 'no-such-node.invalid' does not resolve" in one_line(err)
 
 
+@pytest.mark.slow
 def test_static_nodes_with_different_nnodes_both_fail(tmp_path, nodes):
     port = free_port()
-    static = f"--master-addr 127.0.0.1 --master-port {port} --rdzv-conf timeout=60"
+    static = f"--master-addr 127.0.0.1 --master-port {port} --rdzv-conf timeout={LONG}"
     nodes.append(Node(tmp_path / "n0", f"--nnodes 3 --node-rank 0 {static}"))
-    wait_listening(port, nodes[0])
-    nodes.append(Node(tmp_path / "n1", f"--nnodes 2 --node-rank 1 {static}"))
+    nodes.append(Node(tmp_path / "n1", f"--nnodes 2 --node-rank 1 {static}", after=port))
     for node in nodes:
-        code, err, _ = node.finish(STARTUP + 10)  # far below the 60 s rendezvous timeout
+        code, err, _ = node.finish(STARTUP + 10)  # far below the rendezvous timeout
         line = one_line(err)
         assert code == 2
         assert "nodes disagree on --nnodes:" in line, line
@@ -122,13 +121,14 @@ def test_static_nodes_with_different_nnodes_both_fail(tmp_path, nodes):
         assert "start every node with the same --nnodes" in line
 
 
+@pytest.mark.slow
 def test_c10d_node_with_other_nnodes_is_turned_away(tmp_path, nodes):
     port = free_port()
     c10d = f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id job --rdzv-conf join_timeout=5"
     nodes.append(Node(tmp_path / "n0", f"--nnodes 2 {c10d}"))
-    wait_listening(port, nodes[0])
-    nodes.append(Node(tmp_path / "n1", f"--nnodes 3 {c10d}"))
-    code, err, _ = nodes[1].finish(STARTUP)
+    # Node 1 comes the moment node 0 listens, well within node 0's join_timeout.
+    nodes.append(Node(tmp_path / "n1", f"--nnodes 3 {c10d}", after=port))
+    code, err, _ = nodes[1].finish(STARTUP + 10)
     assert code == 2
     assert "has --nnodes 2," in one_line(err) and "has --nnodes 3;" in one_line(err)
     # The first node keeps waiting for valid peers (an elastic job must survive a stray node)
@@ -140,27 +140,28 @@ def test_c10d_node_with_other_nnodes_is_turned_away(tmp_path, nodes):
     assert "one was turned away: nodes disagree on --nnodes" in line
 
 
+@pytest.mark.slow
 def test_two_nodes_with_the_same_node_rank_all_fail(tmp_path, nodes):
     port = free_port()
-    static = f"--nnodes 3 --master-addr 127.0.0.1 --master-port {port} --rdzv-conf timeout=60"
+    static = f"--nnodes 3 --master-addr 127.0.0.1 --master-port {port} --rdzv-conf timeout={LONG}"
     nodes.append(Node(tmp_path / "n0", f"--node-rank 0 {static}"))
-    wait_listening(port, nodes[0])
-    nodes += [Node(tmp_path / f"n{i}", f"--node-rank 1 {static}") for i in (1, 2)]
+    nodes += [Node(tmp_path / f"n{i}", f"--node-rank 1 {static}", after=port) for i in (1, 2)]
     for node in nodes:
-        code, err, _ = node.finish(STARTUP + 10)  # far below the 60 s rendezvous timeout
+        code, err, _ = node.finish(STARTUP + 10)  # far below the rendezvous timeout
         line = one_line(err)
         assert code == 2
         assert "two nodes have --node-rank 1:" in line, line
         assert "give each node its own --node-rank, 0 to 2" in line, line
 
 
+@pytest.mark.slow
 def test_a_second_node_zero_and_a_missing_node(tmp_path, nodes):
     port = free_port()
     static = f"--nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port {port} --rdzv-conf timeout=4"
     nodes.append(Node(tmp_path / "n0", static))
-    wait_listening(port, nodes[0])
-    nodes.append(Node(tmp_path / "n1", static))
-    code, err, _ = nodes[1].finish(STARTUP)
+    # The second node 0 comes the moment the first listens, well within its 4 s timeout.
+    nodes.append(Node(tmp_path / "n1", static, after=port))
+    code, err, _ = nodes[1].finish(STARTUP + 10)
     assert code == 2
     assert f"--master-port {port} is already in use on this machine: another node started here" in one_line(
         err

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).with_name("lightning_client_script.py")
 MAX_STEPS = 20  # 8 steps an epoch on 2 ranks: the DistributedSampler reshuffles twice
 TIMEOUT_S = 120  # both launches together; a hang ends in SIGTERM and fails on the return code
@@ -53,6 +55,10 @@ def _clean_env() -> dict[str, str]:
         k: v for k, v in os.environ.items() if k not in FOREIGN_NAMES and not k.startswith(FOREIGN_PREFIXES)
     }
     env["PYTHONUNBUFFERED"] = "1"  # a failing worker's last lines reach the assertion message
+    # Bit-equality needs equal thread counts: torchrun gives each of its 2 workers 1 thread, ddpkit
+    # run cores / 2 (the same only on 2 cores), and a float sum over 2 threads need not equal one
+    # over 1.
+    env["OMP_NUM_THREADS"] = "1"
     return env
 
 
@@ -136,6 +142,8 @@ def test_weights_are_equal_on_both_ranks_and_to_torchruns(runs):
     assert ddpkit_run.returncode == 0 and torchrun.returncode == 0, ddpkit_run.output[-2000:]
     reference = torchrun.weights[0]
     assert reference, "torchrun's rank 0 saved no parameters"
+    for run in (ddpkit_run, torchrun):
+        assert [run.ranks[r]["num_threads"] for r in (0, 1)] == [1, 1], "compared with unequal threads"
     # test_training_moved_every_weight shows these are trained weights, not the shared init.
     for name, run in (("torchrun", torchrun), ("ddpkit run", ddpkit_run)):
         for rank in (0, 1):
