@@ -6,11 +6,6 @@ import json
 import math
 from pathlib import Path
 
-# A Figure of its own draws with Agg where the file is written, without pyplot: a notebook that
-# imports ddpkit keeps its own backend and plots.
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
-
 # nccl-tests' names for the element types, shown in the table's type column.
 NCCL_TYPE_NAMES = {
     "float32": "float",
@@ -137,6 +132,9 @@ def _finite_or_none(value: object) -> object:
 
 def plot_comm(records: list[dict], png: Path, title: str) -> None:
     """busbw against size, one line per operation (reducing ones with their first redop), memcpy dashed."""
+    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.metrics.plot_loss
+    from matplotlib.ticker import FuncFormatter
+
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.subplots()
     shown: dict[str, str | None] = {}
@@ -165,6 +163,8 @@ def plot_comm(records: list[dict], png: Path, title: str) -> None:
 
 def plot_scaling(records: list[dict], png: Path, title: str) -> None:
     """Throughput (with the ideal linear line) and efficiency against process count, per engine."""
+    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.metrics.plot_loss
+
     fig = Figure(figsize=(6, 7), dpi=100)
     (top, bottom) = fig.subplots(2, 1, sharex=True)
     for engine in dict.fromkeys(r["engine"] for r in records):

@@ -6,10 +6,6 @@ import json
 from pathlib import Path
 from typing import TextIO
 
-# A Figure of its own draws with Agg where the file is written, without pyplot: a notebook that
-# imports ddpkit keeps its own backend and plots.
-from matplotlib.figure import Figure
-
 
 class MetricsLog:
     """Appends one JSON object per logged step to ``OUT/metrics.jsonl``.
@@ -44,6 +40,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_loss(records: list[dict], png: Path, title: str = "training loss") -> None:
     """Draw loss against step into ``png``."""
+    # Imported here: matplotlib is ~0.5 s of CPU, and every rank of every run imports ddpkit but
+    # only rank 0 plots, once. A Figure of its own draws with Agg where the file is written,
+    # without pyplot: a notebook that imports ddpkit keeps its own backend and plots.
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6, 4), dpi=100)
     ax = fig.subplots()
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")

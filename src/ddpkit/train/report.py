@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
-
 from ddpkit.diagnostics.stats import FIELDS, stragglers
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.run.metrics import read_metrics
@@ -60,6 +58,8 @@ def rank_totals(logged: list[dict]) -> list[str]:
 
 def plot_report(records: list[dict], png: Path, title: str) -> None:
     """Loss (and eval loss) and throughput against step, one above the other."""
+    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.metrics.plot_loss
+
     logged = [r for r in records if "loss" in r]
     fig = Figure(figsize=(7, 6), dpi=100)
     (top, bottom) = fig.subplots(2, 1, sharex=True)
