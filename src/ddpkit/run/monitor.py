@@ -1,12 +1,11 @@
 """Diagnostics a Run gives the user's loop by default: timings per rank, log lines, progress, hangs.
 
 Every rank measures where its step time goes (data, compute, waiting for the gradient
-all-reduce). At log steps all ranks gather those timings, the loss, whether they logged metrics
-and whether a preemption signal arrived, in one collective that runs in the background: the
-loop goes on with the next step, and at that step's end (or the run's last step) the result is
-read, rank 0 writes OUT/metrics.jsonl, moves the progress bar and names stragglers. A log step
-therefore costs no wait for the slowest rank and no device sync. The hang watchdog is told the
-phase of each collective-bearing part of a step.
+all-reduce). At log steps all ranks gather those timings, the loss, their run.log values and
+whether a preemption signal arrived in one background collective (``ddpkit.run.log_gather``),
+finished at the next step's end; rank 0 then writes OUT/metrics.jsonl, sends the line to the
+trackers, moves the progress bar and names stragglers. The hang watchdog is told the phase of
+each collective-bearing part of a step.
 """
 
 from __future__ import annotations
@@ -19,15 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from ddpkit.diagnostics import HangWatchdog
-from ddpkit.diagnostics.stats import FIELDS, StepClock, Window, rank_table, stragglers
+from ddpkit.diagnostics.stats import StepClock, Window, rank_table, stragglers
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+from ddpkit.run.log_gather import LogGather, gather_means
 from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
 from ddpkit.run.trackers import TRACKERS, Trackers, check_installed, run_params
 
@@ -136,7 +135,7 @@ class Monitor:
         self.every = cfg.log_every or LOG_EVERY[0]  # steps between log lines, for now
         # ... and between replica checks (0: none)
         self.check_every = CHECK_EVERY[0] if cfg.check_every is None else cfg.check_every
-        self._pending: _Gather | None = None  # the last log step's gather, still in flight
+        self.gather = LogGather(env)  # the last log step's gather, still in flight
 
     def _truncate_samples(self, step: int) -> None:
         # A resumed run (maybe at another world size) redoes the steps after its checkpoint:
@@ -221,7 +220,7 @@ class Monitor:
             self.window.step_ended()
             if self.bar is not None:
                 self.bar.update(1)
-        logged = self._finish_gather() if self._pending is not None else None
+        logged = self._finish_gather() if self.gather.pending is not None else None
         due = ended and (step % self.every == 0 or step == 1)
         if (due or last) and step != self.logged_step and step != self.start_step:
             self._start_gather(step, extra(), signal)
@@ -232,7 +231,7 @@ class Monitor:
     def flush(self) -> None:
         """Write the log line still in flight, when every rank is known to wait for it too (a
         preemption every rank agreed on); the resumed run continues after that line."""
-        if self._pending is not None:
+        if self.gather.pending is not None:
             self._finish_gather()
 
     def flush_between(self, step: int, extra: dict) -> None:
@@ -240,11 +239,7 @@ class Monitor:
         once, never mixed with another epoch's. Collective: every rank calls it at the same point."""
         self.flush()  # the last step's own line first
         self.phase(step, "log: metrics logged between steps, all_gather_object")
-        mine = {name: (float(total), count) for name, (total, count) in self.between.items()}
-        self.between = {}
-        everyone: list[dict | None] = [None] * self.env.world_size
-        dist.all_gather_object(everyone, mine)
-        means = _means(everyone)
+        means, self.between = gather_means(self.env, self.between), {}
         if means and self.metrics is not None:
             self._write({"step": step, **extra, **means})
         if means and self.bar is not None:
@@ -252,52 +247,17 @@ class Monitor:
 
     def _start_gather(self, step: int, extra: dict, signal: int) -> None:
         self.phase(step, "log: loss, timings and metrics all_gather")
-        window, now = self.window, time.perf_counter()
-        spent, user = window.spent(now), float(bool(self.user))
-        # (2 + len(FIELDS) + 3,): the loss sum stays on the device, so nothing waits for it here.
-        row = [0.0, float(window.samples), *spent, window.median_step_s(), user, float(signal)]
-        mine = torch.tensor(row, dtype=torch.float64).to(self.env.device)
-        mine[:1].copy_(window.loss_sum())  # on the device, in float64: no sync
-        rows = [torch.empty_like(mine) for _ in range(self.env.world_size)]
-        work = dist.all_gather(rows, mine, async_op=True)
-        elapsed = now - window.start
-        self._pending = _Gather(step, rows, work, elapsed, extra, self.user)
+        self.gather.start(step, self.window, self.user, extra, signal)
         self.user = {}
-        window.reset()
+        self.window.reset()
         self.logged_step = step
 
     def _finish_gather(self) -> tuple[dict, int]:
-        gather, self._pending = self._pending, None
-        self.phase(gather.step, "log: loss, timings and metrics all_gather")
-        gather.work.wait()
-        # One transfer to Python lists: each tensor op on a few numbers costs more than the numbers.
-        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, 2 + len(FIELDS) + 3)
-        # Whether any rank logged metrics rode on the tensor gather, so the pickled gather of their
-        # names and values (ranks may have logged different ones) runs only when there are some.
-        everyone: list[dict | None] = [{}] * self.env.world_size
-        if max(row[-2] for row in table) > 0:
-            mine = {name: (float(total), count) for name, (total, count) in gather.user.items()}
-            everyone = [None] * self.env.world_size
-            dist.all_gather_object(everyone, mine)
-        loss_sum, samples = sum(row[0] for row in table), int(sum(row[1] for row in table))
-        record = {
-            "step": gather.step,
-            "loss": loss_sum / max(samples, 1),
-            "samples_per_s": samples / gather.elapsed,
-            "time_s": gather.elapsed,
-            # The slowest rank's median step in the window: what default log lines are paced by.
-            "step_s": max(row[2 + len(FIELDS)] for row in table),
-            **gather.extra,
-            **_means(everyone),
-            # Each rank's seconds in this window: `ddpkit report` sums them over the lines.
-            "ranks": [
-                {"rank": r, **{f: round(row[2 + i], 6) for i, f in enumerate(FIELDS)}}
-                for r, row in enumerate(table)
-            ],
-        }
+        self.phase(self.gather.pending.step, "log: loss, timings and metrics all_gather")
+        record, signal = self.gather.finish()
         if self.env.is_rank0:
-            self._report(gather.step, record)
-        return record, int(max(row[-1] for row in table))
+            self._report(record["step"], record)
+        return record, signal
 
     def _write(self, record: dict) -> None:
         self.metrics.write(record)
@@ -324,7 +284,7 @@ class Monitor:
 
         A gather still in flight (the loop raised) is dropped, not waited for: a rank that failed
         may never join it."""
-        self._pending = None
+        self.gather.pending = None
         if self.metrics is not None:
             self.metrics.close()
         if self.trackers is not None:
@@ -338,26 +298,3 @@ class Monitor:
             if records:
                 with contextlib.suppress(OSError):
                     plot_loss(records, self.out / "loss.png")
-
-
-@dataclass(frozen=True)
-class _Gather:
-    """A log step's gather in flight: what its record needs once the rows arrive."""
-
-    step: int
-    rows: list[Tensor]
-    work: dist.Work
-    elapsed: float
-    extra: dict
-    user: dict[str, list]
-
-
-def _means(everyone: list[dict]) -> dict[str, float]:
-    """Each user metric's mean over every value any rank logged in the window."""
-    totals: dict[str, list[float]] = {}
-    for mine in everyone:
-        for name, (total, count) in mine.items():
-            both = totals.setdefault(name, [0.0, 0])
-            both[0] += total
-            both[1] += count
-    return {name: total / count for name, (total, count) in totals.items()}
