@@ -163,7 +163,8 @@ def _record_uncaught(previous, run_dir: str, rank: str):
             # first), and it reads the file with json.load, which an empty file crashes.
             message = {"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": info}}
             _write_whole(path, json.dumps(message))
-        if _is_config_error(exc_type) and _mark(os.path.join(run_dir, f"{CONFIG_ERROR}{rank}"), str(exc)):
+        marker = os.path.join(run_dir, f"{CONFIG_ERROR}{rank}")
+        if _is_config_error(exc_type) and _write_whole(marker, str(exc)):
             raise SystemExit(2)  # from an excepthook: Python runs atexit, then exits with 2
         if _after_peer_config_error(exc, run_dir, rank):
             raise SystemExit(1)
@@ -180,12 +181,9 @@ def _is_config_error(exc_type) -> bool:
     return config_error is not None and issubclass(exc_type, config_error)
 
 
-def _mark(path: str, message: str) -> bool:
-    return _write_whole(path, message)  # the launcher never reads half a message
-
-
 def _write_whole(path: str, text: str) -> bool:
-    """``text`` to ``path`` through a temporary file and a rename; False when it cannot."""
+    """``text`` to ``path`` through a temporary file and a rename, so no reader (the launcher, the
+    agent) sees half of it; False when it cannot be written."""
     try:
         with open(path + ".tmp", "w") as f:
             f.write(text)
