@@ -15,30 +15,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import descendants  # noqa: E402
 
-# Slow tests in files that their owners are rewriting right now: marked here until the marks move
-# into the files themselves (a whole file, or the named tests of it).
-SLOW_ELSEWHERE = {
-    "tests/run/test_run_habits.py": None,
-    "tests/run/test_run_errors.py": {
-        "test_an_uncaught_config_error_in_a_plain_script_is_one_line_and_exit_code_2"
-    },
-    "tests/launch/test_run_user_errors.py": None,
-    "tests/dist/test_launcher_envs.py": None,
-    "tests/outside/test_ray_train.py": None,
-    "tests/diagnostics/test_desync_run.py": None,
-    "tests/diagnostics/test_desync.py": {
-        "test_ranks_in_different_collectives_are_reported_as_a_desync",
-        "test_a_slow_rank_is_not_a_desync",
-    },
-    "tests/docs/test_docs.py": {"test_python_blocks_compile_and_run"},
-    "tests/run/test_run_stream.py": None,
-    "tests/run/test_trackers.py": {
-        "test_wandb_offline_folder_holds_every_line_once_across_a_resume",
-        "test_ddpkit_train_takes_trackers_and_sends_its_config_json",
-        "test_three_trackers_get_every_line_once_across_a_kill_and_resume_on_two_processes",
-    },
-}
-
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -48,13 +24,8 @@ def pytest_addoption(parser):
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+@pytest.hookimpl(tryfirst=True)  # orders every file, before `-m` deselects some tests
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path, _, name = item.nodeid.partition("::")
-        named = SLOW_ELSEWHERE.get(path, ())
-        if named is None or name.split("[")[0] in named:
-            item.add_marker(pytest.mark.slow)
     if config.getoption("--keep-file-order"):
         return
     # xdist's loadfile hands out whole files in this order (--no-loadscope-reorder): the longest

@@ -204,6 +204,7 @@ def _saves_on_rank_0_only(env: DistEnv, report: str, desync_s: float) -> None:
             dist.all_reduce(torch.ones(5))  # THE OTHERS' GRADIENTS
 
 
+@pytest.mark.slow
 def test_ranks_in_different_collectives_are_reported_as_a_desync(tmp_path):
     report, started = tmp_path / "hang.txt", time.monotonic()
     with pytest.raises(LaunchError, match=r"hang report: .*desync \(a collective only some") as failed:
@@ -230,6 +231,7 @@ def _slow_rank_0(env: DistEnv, report: str) -> list[float]:
     return total.tolist()
 
 
+@pytest.mark.slow
 def test_a_slow_rank_is_not_a_desync(tmp_path):
     report = tmp_path / "hang.txt"
     assert run_ranks(_slow_rank_0, 2, str(report)) == [[1.0] * 5] * 2

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 # The single-device way, plus the classic bug: a checkpoint (a collective: every rank's RNG states
 # are gathered) on rank 0 only, while rank 1 goes on to the next epoch's gradient all-reduce.
 SAVE_ON_RANK_0 = textwrap.dedent(

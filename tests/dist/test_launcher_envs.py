@@ -28,6 +28,8 @@ from ddpkit.dist import read_launcher_vars
 from ddpkit.errors import ConfigError
 from ddpkit.launch import free_port
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).parents[1] / "scale_out_script.py"
 STEPS = 30
 TIMEOUT_S = 240  # every launch at once on 2 cores; a hang ends in SIGTERM and fails on the exit code

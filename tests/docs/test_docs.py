@@ -138,6 +138,7 @@ def test_links_resolve():
 # --- Python blocks -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_python_blocks_compile_and_run(tmp_path):
     runs = []
     for n, block in enumerate(all_blocks("python")):

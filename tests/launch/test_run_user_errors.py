@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 # Written the single-device way, with a global batch of 10 that 3 processes cannot split.
 SPLIT_SCRIPT = textwrap.dedent(
     """

@@ -34,7 +34,8 @@ STEPS = 30  # 3 epochs of 10 global batches of 32
 # Ray's start, two trainers, one restart and the shutdown: 94 s alone at load average 10 on 2 cores,
 # 213 s beside another test file at load average 15. A hang ends in SIGTERM and fails on the exit.
 TIMEOUT_S = 420
-pytestmark = pytest.mark.timeout(TIMEOUT_S + 120)  # the fixture's wait, then its clean-up
+# The timeout: the fixture's wait, then its clean-up.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 120)]
 # Variables that would tell the runs who started them or where a cluster is: a pytest run
 # inside torchrun, SLURM or a Ray job must not leak its ranks or its cluster into these runs.
 FOREIGN_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PET_", "RAY_", "DDPKIT_")

@@ -101,6 +101,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_an_uncaught_config_error_in_a_plain_script_is_one_line_and_exit_code_2(tmp_path):
     script = tmp_path / "mine.py"
     script.write_text(SCRIPT)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).with_name("habits_script.py")
 STEPS = 15  # 3 epochs of 60 samples in global batches of 12
 

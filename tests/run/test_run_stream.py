@@ -22,6 +22,8 @@ from torch.utils.data import IterableDataset
 
 import ddpkit
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).with_name("stream_script.py")
 
 

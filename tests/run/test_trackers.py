@@ -155,6 +155,7 @@ def _wandb_run(folder: Path) -> tuple[dict[str, tuple[list[int], list[float]]], 
     return history, config
 
 
+@pytest.mark.slow
 def test_wandb_offline_folder_holds_every_line_once_across_a_resume(tmp_path, monkeypatch):
     import wandb
 
@@ -210,6 +211,7 @@ def test_a_missing_library_is_one_line_naming_its_extra(tmp_path, monkeypatch):
     assert str(info.value) == 'trackers: wandb is not installed; pip install "ddpkit[wandb]"'
 
 
+@pytest.mark.slow
 def test_ddpkit_train_takes_trackers_and_sends_its_config_json(tmp_path):
     out = tmp_path / "run"
     cfg, _ = parse(["toy", "--trackers", "tensorboard,wandb", "--out", str(out)])
@@ -286,6 +288,7 @@ def _mlflow_history(client, out: Path, name: str) -> tuple[list[int], list[float
     return [m.step for m in got], [m.value for m in got]
 
 
+@pytest.mark.slow
 def test_three_trackers_get_every_line_once_across_a_kill_and_resume_on_two_processes(
     tmp_path, monkeypatch, mlflow_server
 ):
