@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import subprocess
@@ -112,3 +113,42 @@ def test_master_port_in_use_is_one_line(capsys, tmp_path):
         assert main(["run", "--nproc", "1", "--master-port", str(port), str(script)]) == 2
     err = capsys.readouterr().err
     assert f"--master-port {port} is already in use" in err and len(err.strip().splitlines()) == 1
+
+
+def _torchrun_parser_before_2_12(real):
+    """torchrun's parser as torch 2.11 has it: no --shutdown-timeout (seen on a GPU machine)."""
+
+    def parser():
+        made = real()
+        for action in [a for a in made._actions if a.dest == "shutdown_timeout"]:
+            made._remove_action(action)
+            for flag in action.option_strings:
+                made._option_string_actions.pop(flag)
+            for group in made._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+        return made
+
+    return parser
+
+
+@pytest.mark.parametrize("given", [[], ["--grace-period", "7"]])
+def test_launch_flags_read_the_same_on_a_torchrun_without_shutdown_timeout(monkeypatch, tmp_path, given):
+    # torch 2.11's torchrun has no --shutdown-timeout: `ddpkit run` died there with
+    # AttributeError: 'Namespace' object has no attribute 'shutdown_timeout'.
+    import torch.distributed.run as torchrun
+
+    from ddpkit.launch.elastic import add_launch_flags, check_launch_args, run_parser, torchrun_argv
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    for parser_of in (torchrun.get_args_parser, _torchrun_parser_before_2_12(torchrun.get_args_parser)):
+        monkeypatch.setattr(torchrun, "get_args_parser", parser_of)
+        ns = run_parser().parse_args(["--nproc", "1", *given, str(script)])
+        check_launch_args(ns)
+        assert ns.shutdown_timeout == (int(given[1]) if given else parser_of().get_default("shutdown_timeout"))
+        # `ddpkit train`'s route: its own flags, turned into torchrun's and read back.
+        train = argparse.ArgumentParser()
+        add_launch_flags(train)
+        relaunch = run_parser().parse_args([*torchrun_argv(train.parse_args(given)), str(script)])
+        assert relaunch.shutdown_timeout == (int(given[1]) if given else 30)

@@ -108,8 +108,9 @@ def torchrun_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--local-addr", ns.local_addr]
     if ns.standalone:
         argv.append("--standalone")
-    # torchrun's own flags carry them, so `ddpkit run` and `ddpkit train` share run_elastic's reading.
-    argv += ["--shutdown-timeout", str(ns.grace_period)]
+    # run_parser() reads them back (torchrun's --shutdown-timeout exists only from torch 2.12), so
+    # `ddpkit run` and `ddpkit train` share run_elastic's reading.
+    argv += ["--grace-period", str(ns.grace_period)]
     if ns.preempt_signal:
         preempt = parse_signal(ns.preempt_signal).name  # the error names --preempt-signal
         argv += ["--signals-to-handle", f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,{preempt}"]
@@ -136,12 +137,13 @@ def run_parser() -> argparse.ArgumentParser:
         "with every rank's stack, and ends the run (default: 90%% of the script's own process-group "
         "timeout, 27 minutes for gloo's default; 0: off)",
     )
-    # torchrun's --shutdown-timeout under ddpkit's name; SUPPRESS keeps torchrun's default.
+    # torchrun's --shutdown-timeout (torch 2.12 and later) under ddpkit's name. argparse sets the
+    # first action's default, so torchrun's stands where it has the flag, None where it has not.
     parser.add_argument(
         "--grace-period",
         dest="shutdown_timeout",
         type=int,
-        default=argparse.SUPPRESS,
+        default=None,
         metavar="SECONDS",
         help=GRACE_HELP,
     )

@@ -15,8 +15,6 @@ import re
 import shutil
 from pathlib import Path
 
-import torch.distributed.run as torchrun
-
 from ddpkit.checkpoint.lock import check_not_running
 from ddpkit.dist import resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
@@ -26,6 +24,7 @@ from ddpkit.launch.elastic import (
     nnodes_range,
     resolve_nproc,
     run_elastic,
+    run_parser,
     torchrun_argv,
 )
 from ddpkit.launch.failures import WorkerFailure
@@ -157,7 +156,7 @@ def just_prepared(out: Path, cfg: JobConfig) -> bool:
 
 def cmd_train(argv: list[str]) -> int:
     cfg, ns = parse(argv)
-    torch_ns = torchrun.get_args_parser().parse_args(
+    torch_ns = run_parser().parse_args(
         torchrun_argv(ns) + ["-m", "ddpkit.train.worker", "CONFIG"]
     )
     nproc = resolve_nproc(str(ns.nproc))
