@@ -155,6 +155,31 @@ def test_world_of_one_reports_a_stall_in_process(world_of_one, tmp_path):
     assert "in test_world_of_one_reports_a_stall_in_process" in text
 
 
+def test_start_up_has_its_own_timeout_until_the_first_step_ends(world_of_one, tmp_path):
+    # DDP's constructor under load once took longer than a 3 s --collective-timeout: the watchdog
+    # reported a hang at step 0. Until steady(), the longer startup_s applies.
+    report = tmp_path / "hang.txt"
+    with _Recording(world_of_one, 0.3, poll_s=0.05, report_path=report, startup_s=60) as watchdog:
+        time.sleep(0.9)  # three collective timeouts, well within start-up's
+        assert watchdog.exits == [] and watchdog.limit_s == 60
+        watchdog.phase(1, "forward/backward: gradient all-reduce")
+        watchdog.steady()
+        _wait_until(lambda: watchdog.exits, 10)
+    assert watchdog.exits == [HANG_EXIT_CODE] and watchdog.limit_s == 0.3
+    assert report.read_text().startswith(
+        "ddpkit hang report: rank 0 made no progress for 0.3 s (--collective-timeout)"
+    )
+
+
+def test_a_hang_in_start_up_names_the_start_up_timeout(world_of_one, tmp_path):
+    report = tmp_path / "hang.txt"
+    with _Recording(world_of_one, 0.2, poll_s=0.05, report_path=report, startup_s=0.5) as watchdog:
+        _wait_until(lambda: watchdog.exits, 10)
+    assert report.read_text().startswith(
+        "ddpkit hang report: rank 0 made no progress for 0.5 s (startup_timeout: the first step had not ended)"
+    )
+
+
 def test_destroying_the_group_ends_watching_without_a_report(world_of_one):
     watchdog = _Recording(world_of_one, 0.3, poll_s=0.05).start()
     ddpkit.destroy()

@@ -76,6 +76,10 @@ class HangWatchdog:
         desync_s: seconds every rank may wait in its collective, the ranks' collectives
             differing, before the job is reported as a desync (a collective only some ranks
             called); 0 disables. A slow rank never counts (see ``desync.py``).
+        startup_s: seconds without progress allowed until ``steady()`` is called (the loop's
+            first step has ended): DDP's constructor, a checkpoint load and the data workers'
+            start take as long as the machine's load makes them, whatever ``timeout_s`` says;
+            the larger of the two applies (torchtitan's init and train timeouts).
     """
 
     follow_s = 10.0  # extra seconds a following rank waits for its launcher before exiting itself
@@ -89,6 +93,7 @@ class HangWatchdog:
         report_path: Path | str | None = None,
         store: dist.Store | None = None,
         desync_s: float = 30.0,
+        startup_s: float = 0.0,
     ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"--collective-timeout must be a positive number of seconds, got {timeout_s!r}")
@@ -98,6 +103,7 @@ class HangWatchdog:
             raise ConfigError(f"desync_timeout must be 0 (off) or a number of seconds, got {desync_s!r}")
         self.env, self.timeout_s, self.poll_s = env, float(timeout_s), float(poll_s)
         self.desync_s, self._probe = float(desync_s), None
+        self.startup_s, self._steady = float(startup_s), False
         self.report_path = Path(report_path) if report_path is not None else None
         self.answer_s = 2 * self.poll_s + 2.0  # answers come at the next poll of each rank
         self._given_store = store
@@ -122,6 +128,19 @@ class HangWatchdog:
             name: the phase and the collective it runs, shown in the report.
         """
         self._mark = (step, name)
+
+    def steady(self) -> None:
+        """Start-up is over (the first step ended): from now on ``timeout_s`` alone applies."""
+        self._steady = True
+
+    @property
+    def limit_s(self) -> float:
+        """The timeout in force: ``timeout_s``, or during start-up the larger of it and ``startup_s``."""
+        return self.timeout_s if self._steady else max(self.timeout_s, self.startup_s)
+
+    def _source(self) -> str:
+        starting = not self._steady and self.startup_s > self.timeout_s
+        return "startup_timeout: the first step had not ended" if starting else "--collective-timeout"
 
     def start(self) -> HangWatchdog:
         """Start watching; the calling thread is the one whose stack the report shows."""
@@ -186,7 +205,7 @@ class HangWatchdog:
             self._answer(now)
         if self._following_since is not None:
             self._follow(now)
-        elif self._progress.idle(now) >= self.timeout_s:
+        elif self._progress.idle(now) >= self.limit_s:
             self._on_timeout(now)
         elif self._probe is not None:
             if desync := self._probe.tick(now, self._progress.idle(now), progressed):
@@ -246,7 +265,10 @@ class HangWatchdog:
         line = desync_line(desync) if desync else summary_line(states, size, set(stacks))
         self._store.call("set", SUMMARY, json.dumps({"reporter": rank, "line": line, "path": path}))
         headline = desync_headline(desync, self.desync_s) if desync else ()
-        self._emit(format_report(rank, self.timeout_s, size, states, stacks, time.time(), headline=headline))
+        when, source = time.time(), self._source()
+        self._emit(
+            format_report(rank, self.limit_s, size, states, stacks, when, headline=headline, source=source)
+        )
 
     def _collect_answers(self) -> dict[int, dict]:
         """Answers of the other ranks, waiting up to ``answer_s`` for those that poll late."""
@@ -272,7 +294,8 @@ class HangWatchdog:
         states = {self.env.rank: self._fresh_state(now)}
         stacks = {self.env.rank: thread_stack(self._main_ident)}
         rank, size = self.env.rank, self.env.world_size
-        self._emit(format_report(rank, self.timeout_s, size, states, stacks, time.time(), alone))
+        when, source = time.time(), self._source()
+        self._emit(format_report(rank, self.limit_s, size, states, stacks, when, alone, source=source))
 
     def _emit(self, text: str) -> None:
         # Straight to stderr, not through logging: os._exit follows, which flushes no handler,

@@ -101,6 +101,7 @@ def format_report(
     now_wall: float,
     alone: str = "",
     headline: Sequence[str] = (),
+    source: str = "--collective-timeout",
 ) -> str:
     """The whole report, as text.
 
@@ -115,9 +116,10 @@ def format_report(
             then no attribution is attempted and only the ranks in ``states`` are listed.
         headline: what the report is about, when not the timeout (a desync, ``desync.py``); its
             first line follows "ddpkit hang report: " as the report's first line.
+        source: the setting that gave ``timeout_s``.
     """
     listed = sorted(states) if alone else range(world_size)
-    timed_out = f"rank {reporter} made no progress for {timeout_s:g} s (--collective-timeout)"
+    timed_out = f"rank {reporter} made no progress for {timeout_s:g} s ({source})"
     first, *more = headline or [timed_out]
     lines = [
         f"ddpkit hang report: {first}",

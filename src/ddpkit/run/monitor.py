@@ -68,8 +68,10 @@ class DiagnosticsConfig:
             ``if run.is_main``) before the watchdog reports the desync and ends the run; a slow
             rank that is not inside a collective is never taken for one. 0 disables.
         startup_timeout: seconds every rank may take to join the process group (a node still
-            pulling its container, a slow import) before start-up fails; after that the
-            collective timeout applies.
+            pulling its container, a slow import) before start-up fails, and, when longer than
+            the collective timeout, the hang watchdog's limit until the loop's first step has
+            ended (DDP's constructor, a checkpoint load, the data workers' start: as slow as the
+            machine's load makes them); after that the collective timeout applies.
         progress: show a progress bar on rank 0.
         log_samples: each rank appends the dataset indices of each step to OUT/samples/rank{R}.jsonl.
         trackers: experiment trackers rank 0 sends every metrics line to, any of ``tensorboard``,
@@ -129,7 +131,11 @@ class Monitor:
         if cfg.collective_timeout and env.world_size > 1:  # one process cannot wait for another
             report = out / "hang-report.txt" if out is not None else None
             self.watchdog = HangWatchdog(
-                env, cfg.collective_timeout, report_path=report, desync_s=cfg.desync_timeout
+                env,
+                cfg.collective_timeout,
+                report_path=report,
+                desync_s=cfg.desync_timeout,
+                startup_s=cfg.startup_timeout,
             ).start()
         self.start_step = self.logged_step = -1
         self.every = cfg.log_every or LOG_EVERY[0]  # steps between log lines, for now
@@ -218,6 +224,8 @@ class Monitor:
         ``signal`` any rank sent with it. Collective when due: every rank reaches the same steps."""
         if ended:
             self.window.step_ended()
+            if self.watchdog is not None:
+                self.watchdog.steady()  # the first step ended: the collective timeout applies
             if self.bar is not None:
                 self.bar.update(1)
         logged = self._finish_gather() if self.gather.pending is not None else None
