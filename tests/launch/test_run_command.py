@@ -146,7 +146,8 @@ def test_launch_flags_read_the_same_on_a_torchrun_without_shutdown_timeout(monke
         monkeypatch.setattr(torchrun, "get_args_parser", parser_of)
         ns = run_parser().parse_args(["--nproc", "1", *given, str(script)])
         check_launch_args(ns)
-        assert ns.shutdown_timeout == (int(given[1]) if given else parser_of().get_default("shutdown_timeout"))
+        default = parser_of().get_default("shutdown_timeout")
+        assert ns.shutdown_timeout == (int(given[1]) if given else default)
         # `ddpkit train`'s route: its own flags, turned into torchrun's and read back.
         train = argparse.ArgumentParser()
         add_launch_flags(train)

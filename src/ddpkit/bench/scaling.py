@@ -33,7 +33,7 @@ from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch import LaunchError, launch
 from ddpkit.launch.elastic import resolve_nproc
 from ddpkit.run import Run
-from ddpkit.run.setup import check_split
+from ddpkit.run.config import check_split
 from ddpkit.train.job import JobConfig, layered
 from ddpkit.train.trainer import Trainer
 from ddpkit.train.workloads import WORKLOADS, get_workload

@@ -74,6 +74,11 @@ class DistEnv:
         """True on the first process of each node."""
         return self.local_rank == 0
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where a collective's tensors must be: this rank's GPU under NCCL, the CPU otherwise."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class LauncherVars:

@@ -1,17 +1,25 @@
-"""The run's own settings, and the routing of ``ddpkit.Run``'s keyword options to each component's config."""
+"""Every frozen config of a ``ddpkit.Run``, and the routing of its keyword options to them.
+
+A leaf: it imports nothing of the runtime, so ``ddpkit train`` builds and checks a ``JobConfig``
+from these classes without the front door. Each class's docstring is the reference of its
+options (``ddpkit train`` generates its flags from them, ``train/flags.py``).
+"""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ddpkit.dist.init import BACKENDS
 from ddpkit.errors import ConfigError
-from ddpkit.run.engine import EngineConfig
-from ddpkit.run.loader import DataConfig
-from ddpkit.run.monitor import DiagnosticsConfig
-from ddpkit.run.optim import OptimConfig
-from ddpkit.run.state import CheckpointConfig
+from ddpkit.parallel.compression import parse_powersgd
+
+ENGINES = ("torch", "native")
+PRECISIONS = ("fp32", "bf16", "fp16")
+COMPRESSIONS = (None, "bf16", "fp16", "powersgd")
+NONFINITE = ("stop", "skip")
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,185 @@ class RunConfig:
             raise ConfigError(f"steps={self.steps} is below 1; use a positive number, or None for epochs")
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """How the training data is cut into steps.
+
+    Args:
+        global_batch: samples per optimizer step over all ranks (None: the batch_size of the
+            DataLoader given to ``run.loader``); must split evenly over the ranks.
+        micro_batch: samples per forward/backward on one rank; below the rank's share of the
+            global batch it means gradient accumulation. None: the whole share at once.
+        drop_last: skip each epoch's final partial global batch (by default it is used).
+        shuffle: a new order each epoch, drawn from (seed, epoch) alone.
+    """
+
+    global_batch: int | None = None
+    micro_batch: int | None = None
+    drop_last: bool = False
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be a positive integer (or None)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How gradients are kept in sync, and in which precision forward runs.
+
+    Args:
+        engine: ``torch`` (DistributedDataParallel) or ``native`` (ddpkit.DataParallel).
+        bucket_cap_mb: gradient bucket size in MiB (both engines).
+        find_unused_parameters: reduce zeros for parameters a forward did not use. Without it,
+            a backward pass that leaves some out stops the next forward with one line naming them.
+        compression: None, ``bf16``, ``fp16``, ``powersgd`` (rank 1, torch's) or
+            ``powersgd:RANK[:START_ITER]`` gradient compression (both engines; ``powersgd:8``
+            keeps the bench GPT's loss within 3.5% of uncompressed over 3 seeds, see docs/engine.md).
+        sync_batchnorm: turn BatchNorm layers into SyncBatchNorm (GPUs only: torch refuses CPU).
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a GradScaler, GPU only).
+    """
+
+    engine: str = "torch"
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    compression: str | None = None
+    sync_batchnorm: bool = False
+    broadcast_buffers: bool = True
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _choose("engine", self.engine, ENGINES)
+        _choose("precision", self.precision, PRECISIONS)
+        if isinstance(self.compression, str) and self.compression.startswith("powersgd:"):
+            parse_powersgd(self.compression)  # a bad rank or start is one line, here
+        else:
+            _choose("compression", self.compression, COMPRESSIONS)
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive, for example 25")
+
+
+def _choose(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name}={value!r}; choose one of {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When checkpoints are written and whether a run continues from one.
+
+    Args:
+        save_every: write a checkpoint every this many optimizer steps and at ``run.finish()``;
+            0 writes none.
+        keep_last: how many checkpoints to keep, newest first.
+        resume: ``auto`` (the newest good checkpoint in OUT/checkpoints, if any), ``never``
+            (start fresh; refused if OUT already holds a run) or the path of a checkpoint.
+        preempt_signals: signals that make every rank finish its step, checkpoint it (also when
+            save_every is 0) and exit with 128 + the signal's number, e.g. ``"TERM,INT,USR1"`` for
+            SLURM's ``--signal=USR1@90``; a second signal exits at once. ``""`` leaves them alone.
+    """
+
+    save_every: int = 0
+    keep_last: int = 2
+    resume: str = "auto"
+    preempt_signals: str = "TERM,INT"
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise ConfigError(f"save_every={self.save_every} is below 0; use 0 to write no checkpoints")
+        if self.keep_last < 1:
+            raise ConfigError(f"keep_last={self.keep_last} is below 1; keep at least one checkpoint")
+        if not self.resume:
+            raise ConfigError("resume='' names nothing; use 'auto', 'never' or a checkpoint path")
+        for name in filter(None, self.preempt_signals.split(",")):
+            if not hasattr(signal, f"SIG{name.strip()}"):
+                raise ConfigError(
+                    f"preempt_signals: unknown signal {name!r}; use names such as TERM,INT,USR1"
+                )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """What happens in the optimizer step that ddpkit sees.
+
+    Args:
+        grad_clip: clip each optimizer's gradient norm to this; 0 disables clipping.
+        on_nonfinite: a non-finite gradient norm ``stop``s the run on every rank, or ``skip``s
+            that optimizer step (its gradients are dropped).
+    """
+
+    grad_clip: float = 0.0
+    on_nonfinite: str = "stop"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grad_clip < float("inf"):
+            raise ConfigError(f"grad_clip={self.grad_clip} must be finite and >= 0; use 0 to disable, or 1.0")
+        if self.on_nonfinite not in NONFINITE:
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
+
+
+@dataclass(frozen=True)
+class DiagnosticsConfig:
+    """What a Run watches and reports while the user's loop trains.
+
+    Args:
+        log_every: gather the loss, timings and user metrics and write a metrics line every
+            this many steps (and at step 1 and at the end). None (the default): every 10 steps,
+            or, when steps are short, every 20, 50, ... 1000 steps, the first that lasts 0.1 s
+            by the slowest rank's median step (``paced_every``); pass a number for lines at
+            fixed steps.
+        check_every: every this many steps, all ranks compare parameter fingerprints; 0 disables.
+            None (the default): every 100 steps, or 200, 500, ... 10000, the first that lasts 1 s.
+        rank_table_every: rank 0 logs every rank's data / compute / comm-wait seconds this often;
+            0 disables (stragglers are warned about regardless).
+        collective_timeout: seconds a rank may spend without progress in a collective before the
+            watchdog names the ranks that are behind, prints every rank's stack and ends the run;
+            0 disables. Generous by default: a slow rank is not a hung one.
+        desync_timeout: seconds every rank may wait inside a collective while the ranks wait in
+            different ones (a collective only some ranks called, such as a run.save() under
+            ``if run.is_main``) before the watchdog reports the desync and ends the run; a slow
+            rank that is not inside a collective is never taken for one. 0 disables.
+        startup_timeout: seconds every rank may take to join the process group (a node still
+            pulling its container, a slow import) before start-up fails, and, when longer than
+            the collective timeout, the hang watchdog's limit until the loop's first step has
+            ended (DDP's constructor, a checkpoint load, the data workers' start: as slow as the
+            machine's load makes them); after that the collective timeout applies.
+        progress: show a progress bar on rank 0.
+        log_samples: each rank appends the dataset indices of each step to OUT/samples/rank{R}.jsonl.
+        trackers: experiment trackers rank 0 sends every metrics line to, any of ``tensorboard``,
+            ``mlflow`` and ``wandb`` (a list is taken; each needs its extra, such as
+            ``pip install "ddpkit[mlflow]"``); a resumed run continues their runs. See docs/trackers.md.
+    """
+
+    log_every: int | None = None
+    check_every: int | None = None
+    rank_table_every: int = 0
+    collective_timeout: float = 1800.0
+    desync_timeout: float = 30.0
+    startup_timeout: float = 600.0
+    progress: bool = True
+    log_samples: bool = False
+    trackers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trackers, list | tuple):
+            raise ConfigError(f"trackers={self.trackers!r} must be a list of names, such as ['tensorboard']")
+        object.__setattr__(self, "trackers", tuple(dict.fromkeys(self.trackers)))  # frozen: set once here
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise ConfigError(f"unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
+        if self.log_every is not None and self.log_every < 1:
+            raise ConfigError(f"log_every={self.log_every} is below 1; use a positive number of steps")
+        if not 0 < self.startup_timeout < float("inf"):
+            raise ConfigError(f"startup_timeout={self.startup_timeout} must be a positive number of seconds")
+        for name in ("check_every", "rank_table_every", "collective_timeout", "desync_timeout"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} is below 0; use 0 to disable")
+
+
 COMPONENTS = (DataConfig, EngineConfig, CheckpointConfig, OptimConfig, DiagnosticsConfig)
 
 
@@ -52,3 +239,14 @@ def split_options(options: dict[str, Any]) -> tuple:
     if unknown:
         raise ConfigError(f"ddpkit.Run got unknown options {unknown}; known ones are {sorted(owners)}")
     return tuple(cls(**{k: v for k, v in options.items() if owners[k] is cls}) for cls in COMPONENTS)
+
+
+def check_split(global_batch: int, world_size: int) -> None:
+    """Fail unless ``global_batch`` splits evenly over ``world_size`` ranks, naming the sizes that work."""
+    if global_batch % world_size == 0:
+        return
+    works = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+    raise ConfigError(
+        f"global_batch={global_batch} cannot be split evenly across {world_size} processes; "
+        f"use a global batch that is a multiple of {world_size}, or a world size in {works}"
+    )

@@ -13,7 +13,6 @@ import inspect
 import re
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,51 +25,7 @@ from ddpkit.parallel import DataParallel
 from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced
-
-ENGINES = ("torch", "native")
-PRECISIONS = ("fp32", "bf16", "fp16")
-COMPRESSIONS = (None, "bf16", "fp16", "powersgd")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How gradients are kept in sync, and in which precision forward runs.
-
-    Args:
-        engine: ``torch`` (DistributedDataParallel) or ``native`` (ddpkit.DataParallel).
-        bucket_cap_mb: gradient bucket size in MiB (both engines).
-        find_unused_parameters: reduce zeros for parameters a forward did not use. Without it,
-            a backward pass that leaves some out stops the next forward with one line naming them.
-        compression: None, ``bf16``, ``fp16``, ``powersgd`` (rank 1, torch's) or
-            ``powersgd:RANK[:START_ITER]`` gradient compression (both engines; ``powersgd:8``
-            keeps the bench GPT's loss within 3.5% of uncompressed over 3 seeds, see docs/engine.md).
-        sync_batchnorm: turn BatchNorm layers into SyncBatchNorm (GPUs only: torch refuses CPU).
-        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
-        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a GradScaler, GPU only).
-    """
-
-    engine: str = "torch"
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    compression: str | None = None
-    sync_batchnorm: bool = False
-    broadcast_buffers: bool = True
-    precision: str = "fp32"
-
-    def __post_init__(self) -> None:
-        _choose("engine", self.engine, ENGINES)
-        _choose("precision", self.precision, PRECISIONS)
-        if isinstance(self.compression, str) and self.compression.startswith("powersgd:"):
-            parse_powersgd(self.compression)  # a bad rank or start is one line, here
-        else:
-            _choose("compression", self.compression, COMPRESSIONS)
-        if not self.bucket_cap_mb > 0:
-            raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive, for example 25")
-
-
-def _choose(name: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"unknown {name}={value!r}; choose one of {', '.join(map(repr, allowed))}")
+from ddpkit.run.config import EngineConfig
 
 
 def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:

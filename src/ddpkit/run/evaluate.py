@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run.loader import to_device
+from ddpkit.run.micro import to_device
 
 
 @torch.no_grad()

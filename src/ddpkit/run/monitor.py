@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,10 +23,10 @@ from tqdm import tqdm
 from ddpkit.diagnostics import HangWatchdog
 from ddpkit.diagnostics.stats import StepClock, Window, rank_table, stragglers
 from ddpkit.dist import DistEnv
-from ddpkit.errors import ConfigError
+from ddpkit.run.config import DiagnosticsConfig
 from ddpkit.run.log_gather import LogGather, gather_means
 from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
-from ddpkit.run.trackers import TRACKERS, Trackers, check_installed, run_params
+from ddpkit.run.trackers import Trackers, check_installed, run_params
 
 log = logging.getLogger(__name__)
 
@@ -44,65 +42,6 @@ def paced_every(seconds_per_step: float, choices: tuple[int, ...], interval_s: f
     ``seconds_per_step`` comes from gathered timings, so every rank picks the same number.
     """
     return next((n for n in choices if n * seconds_per_step >= interval_s), choices[-1])
-
-
-@dataclass(frozen=True)
-class DiagnosticsConfig:
-    """What a Run watches and reports while the user's loop trains.
-
-    Args:
-        log_every: gather the loss, timings and user metrics and write a metrics line every
-            this many steps (and at step 1 and at the end). None (the default): every 10 steps,
-            or, when steps are short, every 20, 50, ... 1000 steps, the first that lasts 0.1 s
-            by the slowest rank's median step (``paced_every``); pass a number for lines at
-            fixed steps.
-        check_every: every this many steps, all ranks compare parameter fingerprints; 0 disables.
-            None (the default): every 100 steps, or 200, 500, ... 10000, the first that lasts 1 s.
-        rank_table_every: rank 0 logs every rank's data / compute / comm-wait seconds this often;
-            0 disables (stragglers are warned about regardless).
-        collective_timeout: seconds a rank may spend without progress in a collective before the
-            watchdog names the ranks that are behind, prints every rank's stack and ends the run;
-            0 disables. Generous by default: a slow rank is not a hung one.
-        desync_timeout: seconds every rank may wait inside a collective while the ranks wait in
-            different ones (a collective only some ranks called, such as a run.save() under
-            ``if run.is_main``) before the watchdog reports the desync and ends the run; a slow
-            rank that is not inside a collective is never taken for one. 0 disables.
-        startup_timeout: seconds every rank may take to join the process group (a node still
-            pulling its container, a slow import) before start-up fails, and, when longer than
-            the collective timeout, the hang watchdog's limit until the loop's first step has
-            ended (DDP's constructor, a checkpoint load, the data workers' start: as slow as the
-            machine's load makes them); after that the collective timeout applies.
-        progress: show a progress bar on rank 0.
-        log_samples: each rank appends the dataset indices of each step to OUT/samples/rank{R}.jsonl.
-        trackers: experiment trackers rank 0 sends every metrics line to, any of ``tensorboard``,
-            ``mlflow`` and ``wandb`` (a list is taken; each needs its extra, such as
-            ``pip install "ddpkit[mlflow]"``); a resumed run continues their runs. See docs/trackers.md.
-    """
-
-    log_every: int | None = None
-    check_every: int | None = None
-    rank_table_every: int = 0
-    collective_timeout: float = 1800.0
-    desync_timeout: float = 30.0
-    startup_timeout: float = 600.0
-    progress: bool = True
-    log_samples: bool = False
-    trackers: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.trackers, list | tuple):
-            raise ConfigError(f"trackers={self.trackers!r} must be a list of names, such as ['tensorboard']")
-        object.__setattr__(self, "trackers", tuple(dict.fromkeys(self.trackers)))  # frozen: set once here
-        for name in self.trackers:
-            if name not in TRACKERS:
-                raise ConfigError(f"unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
-        if self.log_every is not None and self.log_every < 1:
-            raise ConfigError(f"log_every={self.log_every} is below 1; use a positive number of steps")
-        if not 0 < self.startup_timeout < float("inf"):
-            raise ConfigError(f"startup_timeout={self.startup_timeout} must be a positive number of seconds")
-        for name in ("check_every", "rank_table_every", "collective_timeout", "desync_timeout"):
-            if getattr(self, name) is not None and not getattr(self, name) >= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} is below 0; use 0 to disable")
 
 
 class Monitor:
@@ -206,9 +145,21 @@ class Monitor:
             with open(self.out / "samples" / f"rank{self.env.rank}.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, "indices": indices}) + "\n")
 
-    def data(self, start: float) -> None:
-        """A batch arrived; the time since ``start`` went to data."""
-        self.clock.data_s += time.perf_counter() - start
+    def data(self, seconds: float) -> None:
+        """Seconds the loop waited for its data (a batch, a stream's agreement)."""
+        self.clock.data_s += seconds
+
+    def micro_batch(self, samples: int) -> None:
+        """A micro-batch of ``samples`` samples that count enters the loop."""
+        self.window.samples += samples
+
+    def loss(self, loss: Tensor, samples: int) -> None:
+        """A micro-batch's mean loss, for the metrics line's mean over the global batch."""
+        self.window.add_loss(loss, samples)
+
+    def backward(self, loss: Tensor) -> None:
+        """Run backward of ``loss``, timing its local part (for the comm-wait split)."""
+        self.clock.backward(loss)
 
     def add_user(self, name: str, value: float | Tensor, between: bool = False) -> None:
         """A run.log value: for the window's line, or (``between`` steps) for a line of its own."""

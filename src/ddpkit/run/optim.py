@@ -11,67 +11,104 @@ Lightning Fabric swaps ``__class__`` the same way; Accelerate wraps the optimize
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
+from ddpkit.run.config import OptimConfig
 
-if TYPE_CHECKING:
-    from ddpkit.run.steps import StepCycle
-
-NONFINITE = ("stop", "skip")
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class OptimConfig:
-    """What happens in the optimizer step that ddpkit sees.
+class OptimizerGate:
+    """What the gated optimizers and schedulers of one run read, and the policy of a real step.
+
+    The step cycle, its owner, sets ``accumulating`` (a step's micro-batch before its last:
+    ``step()`` waits) and ``has_backward`` (a backward ran in the open step: ``zero_grad()`` keeps
+    the gradients) and reads the counters. A gated optimizer's real step comes here:
+    unscale (fp16), clip, and stop or skip on a non-finite norm.
 
     Args:
-        grad_clip: clip each optimizer's gradient norm to this; 0 disables clipping.
-        on_nonfinite: a non-finite gradient norm ``stop``s the run on every rank, or ``skip``s
-            that optimizer step (its gradients are dropped).
+        cfg: clipping and non-finite gradients.
+        scaler: the fp16 GradScaler (disabled otherwise).
     """
 
-    grad_clip: float = 0.0
-    on_nonfinite: str = "stop"
+    def __init__(self, cfg: OptimConfig, scaler: torch.amp.GradScaler) -> None:
+        self.cfg, self.scaler = cfg, scaler
+        self.accumulating = self.has_backward = False
+        self.step = 0  # the run's step, for messages
+        self.skipped_steps = 0
+        self.last_lr: float | None = None  # the first optimizer's rate at its last real step
+        self.lr_optimizer: torch.optim.Optimizer | None = None  # the first tracked optimizer
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.grad_clip < float("inf"):
-            raise ConfigError(f"grad_clip={self.grad_clip} must be finite and >= 0; use 0 to disable, or 1.0")
-        if self.on_nonfinite not in NONFINITE:
-            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
+    def track(self, obj: object) -> None:
+        """Gate an optimizer or LR scheduler (other objects are left alone); the first optimizer's
+        rate is the one metrics lines show."""
+        gate(obj, self)
+        if self.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
+            self.lr_optimizer = obj
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable, closure: Any) -> Any:
+        """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
+        if self.last_lr is None or optimizer is self.lr_optimizer:
+            self.last_lr = optimizer.param_groups[0]["lr"]
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(optimizer)  # clip and check the true gradient
+        norm = total_norm(optimizer_params(optimizer), self.cfg.grad_clip)
+        if self.scaler.is_enabled():  # the GradScaler skips non-finite steps itself
+            optimizer.ddpkit_inner = True
+            try:
+                return self.scaler.step(optimizer)
+            finally:
+                optimizer.ddpkit_inner = False
+        # The norm is of the all-reduced gradient, the same on every rank: all decide alike. One
+        # .item() is the host sync the decision needs (torch's GradScaler makes the same one), and
+        # costs less than torch.isfinite's extra kernel and its bool().
+        value = norm.item()
+        if math.isfinite(value):
+            return step(closure)
+        if self.cfg.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"step {self.step}: the gradient norm is {value} on every rank; lower the learning "
+                "rate or check the data, or pass on_nonfinite='skip' to skip such steps"
+            )
+        self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, value)
+        return None
 
 
 class _GatedOptimizer:
     """Mixed in before the user's optimizer class by ``gate``."""
 
-    _ddpkit_cycle: StepCycle
+    ddpkit_gate: OptimizerGate
 
     def step(self, closure: Callable | None = None) -> Any:
-        cycle = self._ddpkit_cycle
-        if cycle.accumulating:
+        gate = self.ddpkit_gate
+        if gate.accumulating:
             return None  # not the step's last micro-batch: keep accumulating
-        if getattr(self, "_ddpkit_inner", False):  # the GradScaler calling back in
+        if getattr(self, "ddpkit_inner", False):  # the GradScaler calling back in
             return super().step(closure)
         self._opt_called = True  # what torch's LR schedulers check before warning
-        self._ddpkit_stepped = True
-        return cycle.optimizer_step(self, super().step, closure)
+        self.ddpkit_stepped = True
+        return gate.optimizer_step(self, super().step, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Clear only at a step boundary: before the step's first backward, or once this
         # optimizer has stepped. In between, the micro-batches' gradients are accumulating.
-        if self._ddpkit_cycle.has_backward and not getattr(self, "_ddpkit_stepped", False):
+        if self.ddpkit_gate.has_backward and not getattr(self, "ddpkit_stepped", False):
             return
-        self._ddpkit_stepped = False
+        self.ddpkit_stepped = False
         super().zero_grad(set_to_none)
 
     def __reduce_ex__(self, protocol: int) -> Any:
         # Pickles as the user's own class: the run is not part of the optimizer.
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_ddpkit")}
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
         return _rebuild, (_user_class(self), state)
 
 
@@ -82,19 +119,19 @@ _GatedOptimizer.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 class _GatedScheduler:
     """Mixed in before the user's LR scheduler class by ``gate``."""
 
-    _ddpkit_cycle: StepCycle
+    ddpkit_gate: OptimizerGate
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._ddpkit_cycle.accumulating:
+        if self.ddpkit_gate.accumulating:
             return None
         return super().step(*args, **kwargs)
 
     def state_dict(self) -> dict:
         # A scheduler's state_dict is its __dict__, which now also holds the run.
-        return {k: v for k, v in super().state_dict().items() if not k.startswith("_ddpkit")}
+        return {k: v for k, v in super().state_dict().items() if not k.startswith("ddpkit_")}
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_ddpkit")}
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
         return _rebuild, (_user_class(self), state)
 
 
@@ -111,7 +148,7 @@ def _rebuild(cls: type, state: dict) -> object:
 _CLASSES: dict[type, type] = {}
 
 
-def gate(obj: object, cycle: StepCycle) -> None:
+def gate(obj: object, owner: OptimizerGate) -> None:
     """Make an optimizer or LR scheduler step only at step boundaries; other objects are left alone."""
     if isinstance(obj, torch.optim.Optimizer):
         mixin = _GatedOptimizer
@@ -128,7 +165,7 @@ def gate(obj: object, cycle: StepCycle) -> None:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
     obj.__class__ = _CLASSES[cls]
-    obj._ddpkit_cycle = cycle
+    obj.ddpkit_gate = owner
 
 
 def total_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -1,14 +1,10 @@
 """``ddpkit.Run``: the front door for a user's own training loop.
 
-State machine of one process's run (``step`` counts optimizer steps begun)::
-
-    created --setup/track/loader--> registered --first batch: restore, check--> stepping
-    stepping --each step's first micro-batch: finish the previous step (position, log,
-               check, checkpoint), begin the next--> stepping
-    stepping --finish(): finish the last step, final checkpoint, OUT/model.pt--> finished
-
-Every collective (log lines, fingerprints, checkpoints) happens at a step boundary that every
-rank reaches in the same order, so a loop the user writes once cannot make ranks disagree.
+A thin facade: it builds the parts (the session, the monitor, the optimizer gate, the engine),
+registers what the user hands it under a name, and delegates each call of the loop to the step
+cycle (``run/cycle.py``), which owns where the run is. Every collective (log lines,
+fingerprints, checkpoints) happens at a step boundary that every rank reaches in the same order,
+so a loop the user writes once cannot make ranks disagree.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import time
-from datetime import timedelta
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,36 +20,25 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit.checkpoint.lock import OutLock
-from ddpkit.dist import current_env, init_distributed
-from ddpkit.dist.init import DEFAULT_TIMEOUT, set_collective_timeout
 from ddpkit.errors import ConfigError
 from ddpkit.logs import setup_logging
-from ddpkit.run import state
-from ddpkit.run.config import RunConfig, split_options
-from ddpkit.run.end import RunEnd
+from ddpkit.run.config import RunConfig, check_split, split_options
+from ddpkit.run.cycle import StepCycle
 from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
-from ddpkit.run.loader import Loader
+from ddpkit.run.loader import Loader, is_stream, loader_parts, make_sampler
+from ddpkit.run.map_source import MapSource
+from ddpkit.run.models import check_same_model, load_weights, save_weights
 from ddpkit.run.monitor import Monitor
-from ddpkit.run.optim import gate
-from ddpkit.run.preempt import Preemption
-from ddpkit.run.setup import (
-    check_same_model,
-    check_split,
-    kind_of,
-    load_weights,
-    loader_parts,
-    make_sampler,
-    seed_everything,
-)
-from ddpkit.run.steps import StepCycle
-from ddpkit.run.stream import StreamLoader, is_stream
+from ddpkit.run.optim import OptimizerGate
+from ddpkit.run.seeding import seed_everything
+from ddpkit.run.session import Session
+from ddpkit.run.stream import StreamSource
 
 log = logging.getLogger(__name__)
 
 
-class Run(RunEnd):
+class Run:
     """One training run, seen from one process: process group, engine, data, checkpoints, diagnostics.
 
     Reads what the launcher set (torchrun, ``ddpkit run``, SLURM, ``ddpkit.launch``, or nothing:
@@ -107,45 +91,30 @@ class Run(RunEnd):
         if out is None and self.ckpt_cfg.save_every:
             raise ConfigError(f"save_every={self.ckpt_cfg.save_every} needs out=FOLDER for its checkpoints")
         self.out, self.seed = (Path(out) if out is not None else None), seed
-        # A script that joined a process group itself keeps it: the run neither creates nor destroys it.
-        self._owns_group = not torch.distributed.is_initialized()
-        self.env = self._join(backend) if self._owns_group else current_env()
+        self.session = Session(backend, self.diag_cfg)
+        self.env = self.session.env
         self.device = self.env.device
         setup_logging(self.env)
         seed_everything(seed)
         self.models: dict[str, nn.Module] = {}  # name -> the wrapped model the user calls
         self.objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
         self.train_loader: Loader | None = None
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
-        if self.scaler.is_enabled():  # its scale and growth tracker resume with the run
-            self.objects["grad_scaler"] = self.scaler
-        self._lock = OutLock(self.out) if self.out is not None and self.env.is_rank0 else None
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
+        if scaler.is_enabled():  # its scale and growth tracker resume with the run
+            self.objects["grad_scaler"] = scaler
+        self.gate = OptimizerGate(self.optim_cfg, scaler)
         try:
-            self._resume_path = state.resume_point(self.out, self.ckpt_cfg, self.env, self._lock)
-            self._saved = state.load(self._resume_path, self.device) if self._resume_path else None
+            self.session.open(self.out, self.ckpt_cfg)
             configs = (self.cfg, self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg)
             params = {k: v for cfg in configs for k, v in dataclasses.asdict(cfg).items()}  # for trackers
             self.monitor = Monitor(self.env, self.diag_cfg, self.out, params)
         except BaseException:
-            self._leave()  # the folder's lock and the process group, so nothing is left behind
+            self.session.leave()  # the folder's lock and the process group, so nothing is left behind
             raise
-        self._preemption = Preemption(self.ckpt_cfg.preempt_signals, _collective_device(self.env))
         self.cycle = StepCycle(
-            self.env, self.monitor, self.models, self.objects, self.out, self.ckpt_cfg, self.optim_cfg,
-            self.scaler, steps, self._saved["step"] if self._saved is not None else 0,
-            self._preemption, self._preempted,
-        )  # fmt: skip
-        self._finished = False
+            self.session, self.monitor, self.gate, self.objects, self.models, self.out, self.ckpt_cfg, steps
+        )
         atexit.register(self._finish_at_exit)
-
-    def _join(self, backend: str):
-        """Join with the start-up timeout, then give collectives theirs: the backend's own timeout
-        comes after the watchdog's report, which explains what the backend's error would not."""
-        diag = self.diag_cfg
-        env = init_distributed(backend, timeout=timedelta(seconds=diag.startup_timeout))
-        after = diag.collective_timeout + 120 if diag.collective_timeout else DEFAULT_TIMEOUT.total_seconds()
-        set_collective_timeout(timedelta(seconds=after))
-        return env
 
     # --- registration -----------------------------------------------------------------------
 
@@ -162,8 +131,8 @@ class Run(RunEnd):
         """
         name = self._new_name(name, "model")
         check_same_model(model, self.env)
-        if self._saved is not None and name in self._saved["state"]:
-            load_weights(unwrap(model), self._saved["state"][name], name, self._resume_path)
+        if (weights := self.session.saved_state(name)) is not None:
+            load_weights(unwrap(model), weights, name, self.session.resume_path)
         self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
         wrapped = wrap(model, self.env, self.engine_cfg)
         self.models[name], self.objects[name] = wrapped, unwrap(wrapped)
@@ -175,7 +144,7 @@ class Run(RunEnd):
         with ``state_dict()`` and ``load_state_dict()``. Optimizers and schedulers then step once per
         global batch: on earlier micro-batches ``step()`` waits, ``zero_grad()`` keeps the gradients."""
         for obj in objects:
-            named[self._new_name(None, kind_of(obj))] = obj
+            named[self._new_name(None, _kind_of(obj))] = obj
         for name, obj in named.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(
@@ -183,9 +152,7 @@ class Run(RunEnd):
                     f"got {type(obj).__name__}"
                 )
             self._new_name(name, name)
-            gate(obj, self.cycle)
-            if self.cycle.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
-                self.cycle.lr_optimizer = obj  # metrics lines show its learning rate
+            self.gate.track(obj)
             self.objects[name] = obj
 
     def loader(self, data: Dataset | DataLoader, **dataloader_kwargs: Any) -> Loader:
@@ -208,16 +175,19 @@ class Run(RunEnd):
         dataset, global_batch, kwargs, shuffle = loader_parts(
             data, self.data_cfg, self.device, dataloader_kwargs
         )
+        micro_batch = self.data_cfg.micro_batch
         if is_stream(dataset):
             check_split(global_batch, self.env.world_size)
-            self.train_loader = StreamLoader(self, dataset, global_batch, self.data_cfg.micro_batch, kwargs)
+            phase = self._phase
+            source = StreamSource(self.env, dataset, global_batch, micro_batch, kwargs, phase)
         else:
             sampler = make_sampler(dataset, global_batch, self.env, self.data_cfg, self.seed, shuffle)
-            self.train_loader = Loader(self, dataset, sampler, self.data_cfg.micro_batch, kwargs)
+            source = MapSource(dataset, sampler, micro_batch, kwargs)
         self._new_name("loader", "loader")
-        self.objects["loader"] = self.train_loader
-        if self._saved is not None and "loader" in self._saved["state"]:
-            self.train_loader.load_state_dict(self._saved["state"]["loader"])
+        self.objects["loader"] = source
+        if (position := self.session.saved_state("loader")) is not None:
+            source.load_state_dict(position)  # loader.epoch is the resumed one before the loop
+        self.train_loader = Loader(source, self.cycle)
         return self.train_loader
 
     def _new_name(self, name: str | None, kind: str) -> str:
@@ -228,7 +198,7 @@ class Run(RunEnd):
             name = kind if taken == 0 else f"{kind}{taken + 1}"
         if name in self.objects:
             raise ConfigError(f"the run already tracks an object named {name!r}; give this one another name")
-        if self.monitor.bar is not None:
+        if self.cycle.started:
             raise ConfigError(
                 f"register {name!r} before the first batch: a resumed run restores everything then"
             )
@@ -242,38 +212,24 @@ class Run(RunEnd):
         Inside a ``run.loader`` loop the gradient becomes that of the mean over the global batch
         (at any world size); outside one it is a plain backward. Every call's loss is logged.
         """
-        micro = self.cycle.micro
-        scale = micro.scale if micro is not None else 1.0
-        if micro is not None:
-            self.monitor.window.add_loss(loss, micro.samples)
-        self.cycle.has_backward = True
-        self.cycle.held.restore()  # the step's earlier micro-batches' gradients, to add to
-        self.monitor.clock.backward(self.scaler.scale(loss * scale if scale != 1.0 else loss))
-        if micro is not None and not micro.last:
-            # Until the step's last backward, p.grad is None: a clip_grad_norm_ or any other edit
-            # the user's loop makes before optimizer.step() then acts on the whole step's
-            # all-reduced gradient, as without micro_batch, never on a partial local one.
-            self.cycle.held.hold()
+        self.cycle.backward(loss)
 
     def log(self, **metrics: float | torch.Tensor) -> None:
         """Record metrics: in a step, for the metrics line, which holds their mean over ranks and the
         steps since the last line; between steps (after an epoch, say an eval), for a line of their
         own, with the step they follow, written before the next step, checkpoint or the run's end.
         Any subset of ranks may log; a value is written once."""
-        for name, value in metrics.items():
-            self.monitor.add_user(name, value, between=not self.cycle.open)
+        self.cycle.log(metrics)
 
     def save(self) -> None:
         """Checkpoint at the end of the current step (now, between epochs). All ranks call it."""
-        self.cycle.save_now = True
-        if not self.cycle.open:
-            self.cycle.checkpoint()
+        self.cycle.request_save()
 
     def evaluate(self, dataset: Dataset, fn: Any, **kwargs: Any) -> dict[str, float]:
         """Exact mean (``reduce="sum"``: sum) over ``dataset`` of what ``fn(batch)`` returns per
         batch: a mean-over-the-batch tensor, or a dict of them. Each sample counts once; shards are
         uneven, nothing is padded. Models are in eval mode and no gradient is kept meanwhile."""
-        self.monitor.phase(self.step, "eval: metric sums all_gather")
+        self._phase("eval: metric sums all_gather")
         with local_forwards(list(self.models.values())):
             return evaluate(dataset, fn, self.env, list(self.models.values()), **kwargs)
 
@@ -307,30 +263,57 @@ class Run(RunEnd):
     def at_step_end(self) -> bool:
         """True after a step's last micro-batch came out of the loader: the step is complete once
         the optimizer steps, and a collective here (``run.evaluate``) is reached by every rank."""
-        micro = self.cycle.micro
-        return micro is not None and micro.last
-
-    def _fetch(self, batches: Any) -> Any:
-        start = time.perf_counter()
-        batch = next(batches)
-        self.monitor.data(start)
-        return batch
-
-    def _start_epoch(self) -> None:
-        if self.monitor.bar is None:  # the loop's first batch: a resumed run restores everything now
-            self._restore()
-            self.monitor.start(self.step, self.cycle.steps)
-
-    def _restore(self) -> None:
-        if self._saved is not None:
-            self.cycle.restore(self._resume_path, self._saved)
-            self._saved = None
+        return self.cycle.at_step_end
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
         if self.env.is_rank0:
             print(*args, **kwargs, flush=True)
 
+    def _phase(self, name: str) -> None:
+        self.monitor.phase(self.cycle.step, name)
 
-def _collective_device(env) -> torch.device:
-    return env.device if env.backend == "nccl" else torch.device("cpu")
+    # --- the end -------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Finish the last step (its log line and checkpoint), write OUT/NAME.pt for every model on
+        rank 0, draw OUT/loss.png, and leave the process group. All ranks call it. A run whose loop
+        ended normally is finished at exit if the script does not call this itself."""
+        if self.cycle.closed:
+            return
+        self.cycle.finish_run()
+        if self.env.is_rank0 and self.out is not None:
+            for name, model in self.models.items():
+                save_weights(unwrap(model), self.out / f"{name}.pt")
+        self.close(plot=True)
+
+    def close(self, plot: bool = False) -> None:
+        """Stop the diagnostics and leave the process group without another collective (after an error)."""
+        atexit.unregister(self._finish_at_exit)
+        self.cycle.close(plot)
+
+    def _finish_at_exit(self) -> None:
+        # Only after a loop that ended normally: a rank leaving through an exception must not
+        # enter a collective its peers never reach (sys.last_value is set by the excepthook).
+        if self.cycle.closed or getattr(sys, "last_value", None) is not None or not self.cycle.started:
+            return self.close()
+        log.info("finishing the run at exit (run.finish() was not called)")
+        self.finish()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        if kind is None:
+            self.finish()
+        else:
+            self.close()
+
+
+def _kind_of(obj: Any) -> str:
+    """The default name of a tracked object: its kind, numbered from the second on."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return "scheduler"
+    return "scaler" if isinstance(obj, torch.amp.GradScaler) else type(obj).__name__.lower()

@@ -18,6 +18,13 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank: identical model init, so the engine's broadcast changes nothing."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of one sample's random transforms: (run seed, epoch, sample index) alone."""
     digest = hashlib.blake2b(repr((seed, epoch, index)).encode(), digest_size=8).digest()

@@ -23,28 +23,18 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run.loader import Micro, to_device
-
-if TYPE_CHECKING:
-    from ddpkit.run.run import Run
+from ddpkit.run.micro import Micro
 
 log = logging.getLogger(__name__)
-
-
-def is_stream(data: Any) -> bool:
-    """An iterable source rather than a map-style dataset (or a DataLoader over one)."""
-    data = data.dataset if isinstance(data, DataLoader) else data
-    return isinstance(data, IterableDataset) or (
-        hasattr(data, "__iter__") and not hasattr(data, "__getitem__")
-    )
 
 
 def has_state(source: Any) -> bool:
@@ -91,20 +81,33 @@ def rank_part(source: Any, rank: int, world_size: int) -> Any:
     return _RankPart(source, rank, world_size)
 
 
-class StreamLoader:
-    """This rank's micro-batches of a stream; built by ``Run.loader`` for an iterable source.
+class StreamSource:
+    """This rank's micro-batches of a stream, pass by pass, and its position.
 
-    ``for batch in loader`` runs one pass over the stream (the rest of it after a resume);
-    ``loader.epoch`` counts passes. An endless stream never ends a pass: give ``ddpkit.Run`` a
-    ``steps`` limit. A stream has no length to size a schedule by: use ``steps``.
+    A pass runs to the stream's end (the rest of it after a resume); ``epoch`` counts passes. An
+    endless stream never ends a pass: give ``ddpkit.Run`` a ``steps`` limit. A stream has no
+    length to size a schedule by: use ``steps``.
+
+    Args:
+        env: this process's distributed environment.
+        source: the stream.
+        global_batch: samples per step over all ranks.
+        micro_batch: samples per forward/backward on one rank; None: the whole share.
+        kwargs: torch DataLoader arguments.
+        phase: tells the hang watchdog which collective comes next.
     """
 
-    per_rank_state = True  # a checkpoint holds each rank's position (state.save gathers them)
+    per_rank_state = True  # a checkpoint holds each rank's position (checkpoints.save gathers them)
 
     def __init__(
-        self, run: Run, source: Any, global_batch: int, micro_batch: int | None, kwargs: dict
+        self,
+        env: DistEnv,
+        source: Any,
+        global_batch: int,
+        micro_batch: int | None,
+        kwargs: dict,
+        phase: Callable[[str], None],
     ) -> None:
-        env = run.env
         share = global_batch // env.world_size
         size = micro_batch or share
         if share % size:
@@ -112,7 +115,8 @@ class StreamLoader:
                 f"micro_batch={size} must divide a rank's share of the global batch ({share}) for a stream; "
                 f"use a divisor of {share}"
             )
-        self.run, self.global_batch, self.size, self.per_step = run, global_batch, size, share // size
+        self.env, self.global_batch, self.size, self.per_step = env, global_batch, size, share // size
+        self.phase = phase
         self.stateful = has_state(source)
         part = rank_part(source, env.rank, env.world_size)
         if self.stateful:
@@ -131,47 +135,45 @@ class StreamLoader:
         self.epoch, self.steps_in_epoch = 0, 0
         self._boundary: dict | None = None  # the dataloader's state at the last step boundary
         self._pending: dict | None = None  # a saved position to load before the next pass
-        self._told = False
-
-    def __len__(self) -> int:
-        raise TypeError(
-            "a stream has no length to size a schedule by: give ddpkit.Run steps=N and size it by that"
-        )
+        self._told = False  # the position is loaded at run.loader and again at the first batch
 
     @property
     def steps_per_epoch(self) -> None:
         return None  # unknown until a pass ends
 
-    def __iter__(self) -> Iterator[Any]:
-        run = self.run
-        run._start_epoch()  # the loop's first batch: a resumed run loads its position here
-        cycle, device = run.cycle, run.device
-        self._start_pass()
-        run.monitor.epoch_started(self.epoch, self.steps_in_epoch, None, cycle.steps)
-        batches = iter(self.dataloader)
-        while True:
-            self._boundary = self.dataloader.state_dict() if self.stateful else None
-            step = self._take_step(batches)
-            if not self._everyone_has(step is not None):
-                break  # the last full global batch is done: every rank ends the pass here
-            for i, batch in enumerate(step):
-                micro = Micro([], self.size * run.env.world_size / self.global_batch, self.size,
-                              i == 0, i == self.per_step - 1, self.steps_in_epoch + 1)  # fmt: skip
-                if micro.first and not cycle.begin(self):
-                    return  # the run's step limit is reached
-                cycle.enter(micro)
-                yield to_device(batch, device) if device.type != "cpu" else batch
-        cycle.finish()
-        cycle.outside = True
-        self.epoch, self.steps_in_epoch, self._boundary = self.epoch + 1, 0, None
+    @property
+    def steps_done(self) -> int:
+        """Steps of the current pass already taken."""
+        return self.steps_in_epoch
 
-    def _start_pass(self) -> None:
+    def start_pass(self) -> Iterator[tuple[Micro, Callable[[], Any]]]:
+        """The rest of the current pass: each micro-batch with the call that hands over its batch.
+
+        A step's batches are all read, and the ranks agree that each has a whole share, before
+        its first micro-batch is handed over: the step cycle times that as data."""
         if self._pending is not None and self.stateful:
             self.dataloader.load_state_dict(self._pending)
         self._pending = None
         dataset = self.dataloader.dataset
         if hasattr(dataset, "set_epoch"):  # HuggingFace: a new shuffle each pass
             dataset.set_epoch(self.epoch)
+        return self._micro_batches(iter(self.dataloader), self.steps_in_epoch)
+
+    def _micro_batches(self, batches: Iterator[Any], taken: int) -> Iterator[tuple[Micro, Callable[[], Any]]]:
+        scale = self.size * self.env.world_size / self.global_batch
+        while True:
+            self._boundary = self.dataloader.state_dict() if self.stateful else None
+            step = self._take_step(batches)
+            if not self._everyone_has(step is not None):
+                return  # the last full global batch is done: every rank ends the pass here
+            taken += 1
+            for i, batch in enumerate(step):
+                micro = Micro([], scale, self.size, i == 0, i == self.per_step - 1, taken)
+                yield micro, (lambda batch=batch: batch)
+
+    def end_pass(self) -> None:
+        """The pass is over and its last step closed: the next pass starts at its beginning."""
+        self.epoch, self.steps_in_epoch, self._boundary = self.epoch + 1, 0, None
 
     def _take_step(self, batches: Iterator[Any]) -> list | None:
         step = []
@@ -183,14 +185,12 @@ class StreamLoader:
         return step
 
     def _everyone_has(self, mine: bool) -> bool:
-        flag = torch.tensor(
-            [1 if mine else 0], device=self.run.device if self.run.env.backend == "nccl" else "cpu"
-        )
-        self.run.monitor.phase(self.run.step, "data: every rank has a full share, all_reduce")
+        flag = torch.tensor([1 if mine else 0], device=self.env.collective_device)
+        self.phase("data: every rank has a full share, all_reduce")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _advance_to(self, steps_in_epoch: int) -> None:
+    def advance_to(self, steps_in_epoch: int) -> None:
         """The step that took the pass to ``steps_in_epoch`` steps is done."""
         self.steps_in_epoch = steps_in_epoch
 
@@ -202,14 +202,13 @@ class StreamLoader:
     def load_state_dict(self, everyone: list[dict]) -> None:
         """Continue from each rank's saved position; a world size the positions were not saved on,
         or another global batch, is refused in one line."""
-        env = self.run.env
-        if len(everyone) != env.world_size:
+        if len(everyone) != self.env.world_size:
             raise ConfigError(
                 f"the checkpoint's stream positions are of {len(everyone)} ranks, this run has "
-                f"{env.world_size}: a stream resumes on the world size it was saved on "
+                f"{self.env.world_size}: a stream resumes on the world size it was saved on "
                 "(ddpkit.data.Shards resumes on any)"
             )
-        state = everyone[env.rank]
+        state = everyone[self.env.rank]
         if state["global_batch"] != self.global_batch:
             raise ConfigError(
                 f"the checkpoint was made with global_batch={state['global_batch']}, this run has "
@@ -218,10 +217,9 @@ class StreamLoader:
         self.epoch, self.steps_in_epoch = state["epoch"], state["steps"]
         if self.stateful:
             self._pending = state["stream"]
-        elif not self._told and env.is_rank0:
+        elif not self._told and self.env.is_rank0:
             self._told = True
             log.warning(
                 "the stream has no state_dict(), so this resumed run reads it from its beginning "
-                "(model, optimizer and step %d continue)",
-                self.run.cycle.step,
+                "(model, optimizer and the step continue)"
             )

@@ -38,7 +38,6 @@ from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")
 CLOSE_TIMEOUT_S = 60.0  # at the run's end, how long every tracker together may take to finish sending
 _DONE = object()  # a sender's queue ends with it
 

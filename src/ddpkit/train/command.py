@@ -28,7 +28,7 @@ from ddpkit.launch.elastic import (
     torchrun_argv,
 )
 from ddpkit.launch.failures import WorkerFailure
-from ddpkit.run.setup import check_split
+from ddpkit.run.config import check_split
 from ddpkit.train.flags import add_config_flags, flag_values, read_toml
 from ddpkit.train.job import OWNER, JobConfig, check_same_run, layered
 from ddpkit.train.task import check_task_spec, is_task_spec
@@ -156,9 +156,7 @@ def just_prepared(out: Path, cfg: JobConfig) -> bool:
 
 def cmd_train(argv: list[str]) -> int:
     cfg, ns = parse(argv)
-    torch_ns = run_parser().parse_args(
-        torchrun_argv(ns) + ["-m", "ddpkit.train.worker", "CONFIG"]
-    )
+    torch_ns = run_parser().parse_args(torchrun_argv(ns) + ["-m", "ddpkit.train.worker", "CONFIG"])
     nproc = resolve_nproc(str(ns.nproc))
     resolve_backend(cfg.run.backend, nproc)
     low, high = nnodes_range(ns.nnodes)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ddpkit.errors import ConfigError
-from ddpkit.run import (
+from ddpkit.run.config import (
     CheckpointConfig,
     DataConfig,
     DiagnosticsConfig,

@@ -9,8 +9,6 @@ atomically with a sha256 manifest (``checkpoint/store.py``); every rank loads th
 from __future__ import annotations
 
 import logging
-import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,42 +26,9 @@ from ddpkit.checkpoint import (
 from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+from ddpkit.run.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """When checkpoints are written and whether a run continues from one.
-
-    Args:
-        save_every: write a checkpoint every this many optimizer steps and at ``run.finish()``;
-            0 writes none.
-        keep_last: how many checkpoints to keep, newest first.
-        resume: ``auto`` (the newest good checkpoint in OUT/checkpoints, if any), ``never``
-            (start fresh; refused if OUT already holds a run) or the path of a checkpoint.
-        preempt_signals: signals that make every rank finish its step, checkpoint it (also when
-            save_every is 0) and exit with 128 + the signal's number, e.g. ``"TERM,INT,USR1"`` for
-            SLURM's ``--signal=USR1@90``; a second signal exits at once. ``""`` leaves them alone.
-    """
-
-    save_every: int = 0
-    keep_last: int = 2
-    resume: str = "auto"
-    preempt_signals: str = "TERM,INT"
-
-    def __post_init__(self) -> None:
-        if self.save_every < 0:
-            raise ConfigError(f"save_every={self.save_every} is below 0; use 0 to write no checkpoints")
-        if self.keep_last < 1:
-            raise ConfigError(f"keep_last={self.keep_last} is below 1; keep at least one checkpoint")
-        if not self.resume:
-            raise ConfigError("resume='' names nothing; use 'auto', 'never' or a checkpoint path")
-        for name in filter(None, self.preempt_signals.split(",")):
-            if not hasattr(signal, f"SIG{name.strip()}"):
-                raise ConfigError(
-                    f"preempt_signals: unknown signal {name!r}; use names such as TERM,INT,USR1"
-                )
 
 
 def resume_point(out: Path | None, cfg: CheckpointConfig, env: DistEnv, lock: OutLock | None) -> str | None:

@@ -1,0 +1,293 @@
+"""The step cycle: the one owner of where a Run is, and of what happens at each boundary.
+
+Every source of micro-batches (``map_source.MapSource``, ``stream.StreamSource``) is driven by
+``StepCycle.drive``; the user's calls (``run.backward``, ``run.save``, the gated optimizers)
+reach the same object. At a step's first micro-batch the previous step is closed: the source is
+advanced to what that step consumed, the metrics line is written when due, replicas are
+fingerprinted when due, a checkpoint is written when due, and the ranks agree on a preemption.
+Every one of those collectives happens at the same boundary on every rank. Between
+micro-batches the cycle tells the engines whether the next backward synchronizes (only a step's
+last does) and the gated optimizers whether to step.
+
+States of one process's run (``step`` counts optimizer steps begun)::
+
+    registered --first batch (start): restore the checkpoint, open the bar--> started
+    started --a step's first micro-batch (begin): close the previous step, open the next--> in a step
+    in a step --the source's pass ends (end of drive)--> between steps (``outside``)
+    any --finish_run()/close()--> closed
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.diagnostics import check_replicas_agree
+from ddpkit.errors import ConfigError
+from ddpkit.run import checkpoints
+from ddpkit.run.config import CheckpointConfig
+from ddpkit.run.engine import set_grad_sync, unwrap
+from ddpkit.run.held_grads import HeldGrads
+from ddpkit.run.micro import Micro, to_device
+from ddpkit.run.monitor import Monitor
+from ddpkit.run.optim import OptimizerGate
+from ddpkit.run.preempt import Preemption
+from ddpkit.run.replicas import ReplicaCheck
+from ddpkit.run.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class StepCycle:
+    """One rank's position in the run (step, epoch, micro-batch, inside or between steps) and
+    everything that happens at its boundaries.
+
+    Args:
+        session: the process group, OUT's lock and the checkpoint to restore.
+        monitor: timings, metrics lines, progress bar and the hang watchdog's phases.
+        gate: what the gated optimizers read; holds the fp16 GradScaler.
+        objects: name -> what a checkpoint holds; models: name -> wrapped model (filled by Run).
+        out: the run's folder (None: no files).
+        ckpt_cfg: when to checkpoint, and the preemption signals.
+        steps: the last step to run, or None.
+    """
+
+    def __init__(
+        self, session: Session, monitor: Monitor, gate: OptimizerGate, objects: dict[str, Any],
+        models: dict[str, nn.Module], out: Path | None, ckpt_cfg: CheckpointConfig, steps: int | None,
+    ) -> None:  # fmt: skip
+        self.session, self.env, self.monitor, self.gate = session, session.env, monitor, gate
+        self.objects, self.models, self.out, self.ckpt_cfg, self.steps = objects, models, out, ckpt_cfg, steps
+        self.step = self.saved_step = session.saved["step"] if session.saved is not None else 0
+        self.epoch = 0  # the epoch of the last step begun
+        self.source: Any = None  # the source of the step begun last
+        self.micro: Micro | None = None
+        self.open = self.save_now = self.started = self.closed = False
+        # Between steps: before the loop's first and after each epoch's last. Every rank is there at
+        # the same points, so run.log values from there are gathered for a line of their own.
+        self.outside = True
+        self.held = HeldGrads(models)
+        self.indices: list[int] = []
+        self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
+        self.replicas = ReplicaCheck(self.env, monitor.phase, models)
+
+    @property
+    def at_step_end(self) -> bool:
+        """After a step's last micro-batch came out of the loader."""
+        return self.micro is not None and self.micro.last
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def drive(self, source: Any) -> Iterator[Any]:
+        """One pass of ``source`` (the rest of it after a resume): its batches on the device, each
+        step opened before its first micro-batch is fetched and closed when the next one opens."""
+        self.start()
+        micros = source.start_pass()
+        self.monitor.epoch_started(source.epoch, source.steps_done, source.steps_per_epoch, self.steps)
+        move = self.env.device.type != "cpu"  # the DataLoader's batches are on the CPU already
+        while True:
+            began = time.perf_counter()
+            item = next(micros, None)  # a stream reads its step and agrees on it here: data too
+            waited = time.perf_counter() - began
+            if item is None:
+                break
+            micro, fetch = item
+            if micro.first and not self.begin(source):
+                return  # the run's step limit is reached
+            began = time.perf_counter()
+            batch = fetch()
+            self.monitor.data(waited + time.perf_counter() - began)
+            self.enter(micro)
+            yield to_device(batch, self.env.device) if move else batch
+        self.finish()
+        self.outside = True
+        source.end_pass()
+
+    def start(self) -> None:
+        """The loop's first batch: a resumed run restores everything registered now."""
+        if self.started:
+            return
+        self.restore()
+        self.started = True
+        self.monitor.start(self.step, self.steps)
+
+    def restore(self) -> None:
+        """Every registered object gets its part of the checkpoint the run continues from (once)."""
+        if (taken := self.session.take_saved()) is None:
+            return
+        path, saved = taken
+        checkpoints.check_names(path, saved["state"], list(self.objects))
+        checkpoints.restore(self.objects, saved, self.env.rank)
+        for name, model in self.models.items():
+            check_replicas_agree(unwrap(model), self.env, f"after loading {path} ({name})")
+        if self.env.is_rank0:
+            print(f"ddpkit: resumed from {path} at step {self.step}", flush=True)
+
+    def begin(self, source: Any) -> bool:
+        """Close the previous step and open the next; False once the run's last step is done."""
+        self.finish()
+        if self.steps is not None and self.step >= self.steps:
+            self.outside = True
+            return False
+        if self.outside:
+            self.flush_between()
+            self.outside = False
+        self.epoch, self.source, self.step = source.epoch, source, self.step + 1
+        self.open, self.indices = True, []
+        self.gate.has_backward, self.gate.step = False, self.step
+        self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
+        return True
+
+    def enter(self, micro: Micro) -> None:
+        """The loop is about to get ``micro``'s batch."""
+        self.micro = micro
+        self.gate.accumulating = not micro.last
+        self.monitor.micro_batch(micro.samples)
+        if micro.samples and self.monitor.cfg.log_samples:
+            self.indices += micro.indices
+        if micro.first or micro.last:  # no_sync on all but the step's last micro-batch
+            set_grad_sync(self.models.values(), micro.last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``run.backward``: the micro-batch's mean loss scaled to its share of the step."""
+        micro = self.micro
+        scale = micro.scale if micro is not None else 1.0
+        if micro is not None:
+            self.monitor.loss(loss, micro.samples)
+        self.gate.has_backward = True
+        self.held.restore()  # the step's earlier micro-batches' gradients, to add to
+        self.monitor.backward(self.gate.scaler.scale(loss * scale if scale != 1.0 else loss))
+        if micro is not None and not micro.last:
+            # Until the step's last backward, p.grad is None: a clip_grad_norm_ or any other edit
+            # the user's loop makes before optimizer.step() then acts on the whole step's
+            # all-reduced gradient, as without micro_batch, never on a partial local one.
+            self.held.hold()
+
+    def log(self, metrics: dict[str, float | torch.Tensor]) -> None:
+        """``run.log``: for the step's metrics line, or between steps for a line of their own."""
+        for name, value in metrics.items():
+            self.monitor.add_user(name, value, between=not self.open)
+
+    def request_save(self) -> None:
+        """``run.save``: checkpoint at the end of the current step (now, between steps)."""
+        self.save_now = True
+        if not self.open:
+            self.checkpoint()
+
+    # --- step boundaries -----------------------------------------------------------------------
+
+    def finish(self, last: bool = False) -> None:
+        """Close the open step (its position, log line, fingerprint check, checkpoint)."""
+        ended = self.open
+        if ended:
+            self.held.restore()  # a loop left mid-step: the gradients are the user's again
+            self.gate.scaler.update()
+            self.source.advance_to(self.micro.consumed)
+            self.monitor.samples_taken(self.step, self.indices)
+            self.micro, self.open = None, False
+            self.gate.accumulating = self.gate.has_backward = False
+        last = last or (self.steps is not None and self.step >= self.steps)
+        if not ended and not last:
+            return
+        # The signal rides on the log gather, which is read at the next step's end: every rank
+        # then reads the same maximum, so all stop at that step.
+        logged = self.monitor.step_done(self.step, ended, last, self._extra, self.preemption.received)
+        number = 0
+        if logged is not None:
+            record, number = logged
+            self._pace(record)
+        if last and self.outside:
+            self.flush_between()  # what was logged after the last epoch, before the last checkpoint
+        if self.replicas.pending:
+            self.replicas.finish()
+        every = self.ckpt_cfg.save_every
+        due = self.save_now or (every > 0 and (self.step % every == 0 or last))
+        save = due and self.saved_step != self.step
+        check_every = self.monitor.check_every
+        if check_every and ended and (self.step % check_every == 0 or last):
+            self.replicas.start(self.step)
+            if last or save:  # nothing follows to finish it; a checkpoint holds checked replicas only
+                self.replicas.finish()
+        if save:
+            self.checkpoint()
+        if not ended or last:
+            return
+        if not number and self.monitor.logged_step != self.step:  # else it rides on this step's gather
+            number = self.preemption.agreed(self.step)
+        if number:
+            self._preempted(number)
+
+    def flush_between(self) -> None:
+        """Write what run.log got between steps as a line of the last step's. Collective."""
+        self.monitor.flush_between(self.step, {"epoch": self.epoch})
+
+    def _pace(self, record: dict) -> None:
+        # From the gathered median step, so every rank computes the same pace for the agreement.
+        if record["step_s"] > 0:
+            self.monitor.pace(record["step_s"])
+            self.preemption.pace(record["step_s"], self.monitor.every)
+
+    def _extra(self) -> dict:
+        extra = {
+            "epoch": self.source.epoch if self.source is not None else 0,
+            "skipped_steps": self.gate.skipped_steps,
+        }
+        # The rate the step ran at: a scheduler stepped after the optimizer has set the next one.
+        return extra | ({"lr": self.gate.last_lr} if self.gate.last_lr is not None else {})
+
+    def checkpoint(self) -> None:
+        """Write every registered object's state at this step. Collective."""
+        if self.out is None:
+            raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
+        self.save_now, self.saved_step = False, self.step
+        # The step's log lines first: a run killed after this checkpoint resumes after them.
+        self.monitor.flush()
+        if self.outside:
+            self.flush_between()
+        self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
+        path = checkpoints.save(
+            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg.keep_last
+        )
+        if path is not None:
+            log.info("saved %s", path)
+
+    # --- the end -------------------------------------------------------------------------------
+
+    def finish_run(self) -> None:
+        """``run.finish``: close the last step as the run's last (its log line and checkpoint)."""
+        if self.started:
+            self.finish(last=True)
+        self.restore()  # a resumed run that had nothing left to do still checks what it resumed
+
+    def close(self, plot: bool = False) -> None:
+        """Stop the diagnostics and leave the process group without another collective."""
+        if self.closed:
+            return
+        self.closed = True
+        self.preemption.restore()
+        self.monitor.close(plot)
+        self.session.leave()
+
+    def _preempted(self, number: int) -> None:
+        """Every rank, once all agree a signal came: checkpoint this step, leave, and exit."""
+        if self.out is not None and self.saved_step != self.step:
+            if self.replicas.pending:
+                self.replicas.finish()
+            self.checkpoint()
+        self.monitor.flush()  # written already when the step was checkpointed just now
+        self.close()
+        if self.env.is_rank0:
+            where = "checkpoint written" if self.out is not None else "no out, so no checkpoint"
+            print(
+                f"ddpkit: preempted by {signal.Signals(number).name} at step {self.step} ({where}); "
+                "resume with --resume auto (a script's ddpkit.Run: resume='auto', its default)",
+                flush=True,
+            )
+        raise SystemExit(128 + number)

@@ -1,0 +1,58 @@
+"""The user's model at ``run.setup`` and ``run.finish``: the same on every rank, weights in and out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.checkpoint.files import save_weights as save_atomic
+from ddpkit.diagnostics import check_replicas_agree
+from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
+
+
+def check_same_model(model: nn.Module, env: DistEnv) -> None:
+    """Refuse, on every rank, a model whose parameters differ between ranks (shapes, then values)."""
+    if env.world_size == 1:
+        return
+    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    everyone: list[list | None] = [None] * env.world_size
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            diff = next((a, b) for a, b in zip([*everyone[0], None], [*theirs, None], strict=False) if a != b)
+            raise ConfigError(
+                f"run.setup: rank {rank}'s model differs from rank 0's at parameter {diff[1]} "
+                f"(rank 0 has {diff[0]}); build the same model on every rank"
+            )
+    try:
+        check_replicas_agree(model, env, "at run.setup")
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"{exc}. ddpkit.Run seeds every rank alike before you build the model: do not seed per rank "
+            "or load per-rank weights before run.setup"
+        ) from None
+
+
+def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -> None:
+    """The checkpoint's weights into ``model``, or one line saying it holds another model."""
+    mine, theirs = model.state_dict(), weights
+    missing = [k for k in mine if k not in theirs]
+    unexpected = [k for k in theirs if k not in mine]
+    shapes = [k for k in mine if k in theirs and mine[k].shape != theirs[k].shape]
+    if missing or unexpected or shapes:
+        first = (missing or unexpected or shapes)[0]
+        raise ConfigError(
+            f"cannot resume {name!r} from {path}: it holds another model ({len(missing)} of this model's "
+            f"tensors missing, {len(unexpected)} unknown, {len(shapes)} of another shape; first {first!r}); "
+            "resume from a checkpoint of this model, or start a new out"
+        )
+    model.load_state_dict(weights)
+
+
+def save_weights(module: nn.Module, path: Path) -> None:
+    """Rank 0: the bare model's state_dict to ``path`` (loadable with ``weights_only=True``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_atomic(module.state_dict(), path)

@@ -1,0 +1,66 @@
+"""What a Run holds for its whole life, outside its steps: the process group, OUT's lock, and the
+checkpoint it continues from."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ddpkit.checkpoint.lock import OutLock
+from ddpkit.dist import DistEnv, current_env, destroy, init_distributed
+from ddpkit.dist.init import DEFAULT_TIMEOUT, set_collective_timeout
+from ddpkit.run import checkpoints
+from ddpkit.run.config import CheckpointConfig, DiagnosticsConfig
+
+
+class Session:
+    """One process's membership of the run: joined at ``Run()``, left at its end.
+
+    A script that joined a process group itself keeps it: the session neither creates nor
+    destroys it.
+
+    Args:
+        backend: ``auto``, ``gloo``, ``nccl`` or ``mpi``.
+        diag: the start-up and collective timeouts.
+    """
+
+    def __init__(self, backend: str, diag: DiagnosticsConfig) -> None:
+        self.owns_group = not dist.is_initialized()
+        self.env: DistEnv = self._join(backend, diag) if self.owns_group else current_env()
+        self.lock: OutLock | None = None
+        self.resume_path: str | None = None
+        self.saved: dict | None = None  # the checkpoint, until the loop's first batch restores it
+
+    @staticmethod
+    def _join(backend: str, diag: DiagnosticsConfig) -> DistEnv:
+        """Join with the start-up timeout, then give collectives theirs: the backend's own timeout
+        comes after the watchdog's report, which explains what the backend's error would not."""
+        env = init_distributed(backend, timeout=timedelta(seconds=diag.startup_timeout))
+        after = diag.collective_timeout + 120 if diag.collective_timeout else DEFAULT_TIMEOUT.total_seconds()
+        set_collective_timeout(timedelta(seconds=after))
+        return env
+
+    def open(self, out: Path | None, cfg: CheckpointConfig) -> None:
+        """Take OUT's lock (rank 0) and decide, on every rank alike, whether and from where the run
+        continues; the chosen checkpoint is loaded. Collective."""
+        self.lock = OutLock(out) if out is not None and self.env.is_rank0 else None
+        self.resume_path = checkpoints.resume_point(out, cfg, self.env, self.lock)
+        self.saved = checkpoints.load(self.resume_path, self.env.device) if self.resume_path else None
+
+    def saved_state(self, name: str) -> object | None:
+        """The part ``name`` of the checkpoint the run continues from, before the loop restores it."""
+        return self.saved["state"].get(name) if self.saved is not None else None
+
+    def take_saved(self) -> tuple[str, dict] | None:
+        """The checkpoint to restore (path, contents), once: the loop's first batch takes it."""
+        saved, self.saved = self.saved, None
+        return (self.resume_path, saved) if saved is not None else None
+
+    def leave(self) -> None:
+        """Release OUT's lock and leave the process group the run created."""
+        if self.lock is not None:
+            self.lock.release()
+        if self.owns_group:
+            destroy()
