@@ -79,6 +79,19 @@ class Loader:
         self.source.load_state_dict(state)
 
 
+def make_source(
+    data: Dataset | DataLoader, kwargs: dict, cfg: DataConfig, env: DistEnv, seed: int, phase: Callable
+) -> MapSource | StreamSource:
+    """The source of ``run.loader(data, **kwargs)``: a stream's, or a map-style dataset's over the
+    run's global-batch sampler; ``phase`` tells the hang watchdog of a stream's agreement."""
+    dataset, global_batch, kwargs, shuffle = loader_parts(data, cfg, env.device, kwargs)
+    if is_stream(dataset):
+        check_split(global_batch, env.world_size)
+        return StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs, phase)
+    sampler = make_sampler(dataset, global_batch, env, cfg, seed, shuffle)
+    return MapSource(dataset, sampler, cfg.micro_batch, kwargs)
+
+
 def is_stream(data: Any) -> bool:
     """An iterable source rather than a map-style dataset (or a DataLoader over one)."""
     data = data.dataset if isinstance(data, DataLoader) else data

@@ -22,18 +22,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.errors import ConfigError
 from ddpkit.logs import setup_logging
-from ddpkit.run.config import RunConfig, check_split, split_options
+from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.cycle import StepCycle
 from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
-from ddpkit.run.loader import Loader, is_stream, loader_parts, make_sampler
-from ddpkit.run.map_source import MapSource
+from ddpkit.run.loader import Loader, make_source
 from ddpkit.run.models import check_same_model, load_weights, save_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
+from ddpkit.run.registry import kind_of, new_name
 from ddpkit.run.seeding import seed_everything
 from ddpkit.run.session import Session
-from ddpkit.run.stream import StreamSource
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +143,7 @@ class Run:
         with ``state_dict()`` and ``load_state_dict()``. Optimizers and schedulers then step once per
         global batch: on earlier micro-batches ``step()`` waits, ``zero_grad()`` keeps the gradients."""
         for obj in objects:
-            named[self._new_name(None, _kind_of(obj))] = obj
+            named[self._new_name(None, kind_of(obj))] = obj
         for name, obj in named.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(
@@ -172,17 +171,7 @@ class Run:
             raise ConfigError(
                 "a run has one training loader; evaluate other data with run.evaluate(dataset, fn)"
             )
-        dataset, global_batch, kwargs, shuffle = loader_parts(
-            data, self.data_cfg, self.device, dataloader_kwargs
-        )
-        micro_batch = self.data_cfg.micro_batch
-        if is_stream(dataset):
-            check_split(global_batch, self.env.world_size)
-            phase = self._phase
-            source = StreamSource(self.env, dataset, global_batch, micro_batch, kwargs, phase)
-        else:
-            sampler = make_sampler(dataset, global_batch, self.env, self.data_cfg, self.seed, shuffle)
-            source = MapSource(dataset, sampler, micro_batch, kwargs)
+        source = make_source(data, dataloader_kwargs, self.data_cfg, self.env, self.seed, self._phase)
         self._new_name("loader", "loader")
         self.objects["loader"] = source
         if (position := self.session.saved_state("loader")) is not None:
@@ -191,13 +180,7 @@ class Run:
         return self.train_loader
 
     def _new_name(self, name: str | None, kind: str) -> str:
-        if name is None:
-            taken = sum(
-                1 for n in self.objects if n == kind or n.startswith(kind) and n[len(kind) :].isdigit()
-            )
-            name = kind if taken == 0 else f"{kind}{taken + 1}"
-        if name in self.objects:
-            raise ConfigError(f"the run already tracks an object named {name!r}; give this one another name")
+        name = new_name(self.objects, name, kind)
         if self.cycle.started:
             raise ConfigError(
                 f"register {name!r} before the first batch: a resumed run restores everything then"
@@ -308,12 +291,3 @@ class Run:
             self.finish()
         else:
             self.close()
-
-
-def _kind_of(obj: Any) -> str:
-    """The default name of a tracked object: its kind, numbered from the second on."""
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau):
-        return "scheduler"
-    return "scaler" if isinstance(obj, torch.amp.GradScaler) else type(obj).__name__.lower()
