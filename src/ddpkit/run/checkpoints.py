@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddpkit.checkpoint import (
     CheckpointError,
@@ -24,9 +25,11 @@ from ddpkit.checkpoint import (
     save_checkpoint,
 )
 from ddpkit.checkpoint.lock import OutLock
+from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import CheckpointConfig
+from ddpkit.run.engine import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,19 @@ def check_names(path: str, saved: dict, registered: list[str]) -> None:
             f"cannot resume from {path}: {'; '.join(parts)}; register the same objects under the same "
             "names as the run that wrote it, or pass resume='never' with another out"
         )
+
+
+def restore_run(
+    path: str, saved: dict, objects: dict[str, Any], models: dict[str, nn.Module], env: DistEnv, step: int
+) -> None:
+    """At the loop's first batch: every registered object gets its part of the checkpoint at
+    ``path``, the generators their state, and the replicas are checked to agree."""
+    check_names(path, saved["state"], list(objects))
+    restore(objects, saved, env.rank)
+    for name, model in models.items():
+        check_replicas_agree(unwrap(model), env, f"after loading {path} ({name})")
+    if env.is_rank0:
+        print(f"ddpkit: resumed from {path} at step {step}", flush=True)
 
 
 def restore(objects: dict[str, Any], saved: dict, rank: int) -> None:

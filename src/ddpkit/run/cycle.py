@@ -29,11 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.engine import set_grad_sync, unwrap
+from ddpkit.run.engine import set_grad_sync
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.micro import Micro, to_device
 from ddpkit.run.monitor import Monitor
@@ -70,6 +69,7 @@ class StepCycle:
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
         self.open = self.save_now = self.started = self.closed = False
+        self.unsettled = False  # a closed step whose boundary has not run yet
         # Between steps: before the loop's first and after each epoch's last. Every rank is there at
         # the same points, so run.log values from there are gathered for a line of their own.
         self.outside = True
@@ -106,7 +106,8 @@ class StepCycle:
             self.monitor.data(waited + time.perf_counter() - began)
             self.enter(micro)
             yield to_device(batch, self.env.device) if move else batch
-        self.finish()
+        if self.open:  # its boundary (log, check, checkpoint) waits for the epoch-end code
+            self.close_step()
         self.outside = True
         source.end_pass()
 
@@ -120,15 +121,8 @@ class StepCycle:
 
     def restore(self) -> None:
         """Every registered object gets its part of the checkpoint the run continues from (once)."""
-        if (taken := self.session.take_saved()) is None:
-            return
-        path, saved = taken
-        checkpoints.check_names(path, saved["state"], list(self.objects))
-        checkpoints.restore(self.objects, saved, self.env.rank)
-        for name, model in self.models.items():
-            check_replicas_agree(unwrap(model), self.env, f"after loading {path} ({name})")
-        if self.env.is_rank0:
-            print(f"ddpkit: resumed from {path} at step {self.step}", flush=True)
+        if (taken := self.session.take_saved()) is not None:
+            checkpoints.restore_run(*taken, self.objects, self.models, self.env, self.step)
 
     def begin(self, source: Any) -> bool:
         """Close the previous step and open the next; False once the run's last step is done."""
@@ -179,20 +173,33 @@ class StepCycle:
         """``run.save``: checkpoint at the end of the current step (now, between steps)."""
         self.save_now = True
         if not self.open:
-            self.checkpoint()
+            if self.unsettled:
+                self.finish()  # the last step's boundary first: it writes this checkpoint
+            if self.save_now:
+                self.checkpoint()
 
     # --- step boundaries -----------------------------------------------------------------------
 
+    def close_step(self) -> None:
+        """The open step's last micro-batch is done: its position moves on, its boundary waits."""
+        self.held.restore()  # a loop left mid-step: the gradients are the user's again
+        self.gate.scaler.update()
+        self.source.advance_to(self.micro.consumed)
+        self.monitor.samples_taken(self.step, self.indices)
+        self.monitor.step_ended()
+        self.micro, self.open, self.unsettled = None, False, True
+        self.gate.accumulating = self.gate.has_backward = False
+
     def finish(self, last: bool = False) -> None:
-        """Close the open step (its position, log line, fingerprint check, checkpoint)."""
-        ended = self.open
-        if ended:
-            self.held.restore()  # a loop left mid-step: the gradients are the user's again
-            self.gate.scaler.update()
-            self.source.advance_to(self.micro.consumed)
-            self.monitor.samples_taken(self.step, self.indices)
-            self.micro, self.open = None, False
-            self.gate.accumulating = self.gate.has_backward = False
+        """The boundary after the last step (its log line, fingerprint check, checkpoint, the
+        preemption agreement), closing it first if it is open.
+
+        After an epoch's last step the boundary comes at the next step's start (or the run's
+        end), so what the loop did after the epoch (validation, a plateau scheduler, early
+        stopping, run.log) is in that step's checkpoint, neither lost nor repeated on resume."""
+        if self.open:
+            self.close_step()
+        ended, self.unsettled = self.unsettled, False
         last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
             return

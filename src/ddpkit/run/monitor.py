@@ -167,18 +167,21 @@ class Monitor:
         total[0] += value.detach().double() if isinstance(value, Tensor) else float(value)
         total[1] += 1
 
+    def step_ended(self) -> None:
+        """A step's last micro-batch is done; its collectives come at the next step boundary."""
+        self.window.step_ended()
+        if self.watchdog is not None:
+            self.watchdog.steady()  # the first step ended: the collective timeout applies
+        if self.bar is not None:
+            self.bar.update(1)
+
     def step_done(
         self, step: int, ended: bool, last: bool, extra: Callable[[], dict], signal: int = 0
     ) -> tuple[dict, int] | None:
-        """After a step (``ended``), or at the run's end: start this step's log gather when due, and
-        finish the previous one. Returns the finished one's record and the largest preemption
-        ``signal`` any rank sent with it. Collective when due: every rank reaches the same steps."""
-        if ended:
-            self.window.step_ended()
-            if self.watchdog is not None:
-                self.watchdog.steady()  # the first step ended: the collective timeout applies
-            if self.bar is not None:
-                self.bar.update(1)
+        """At the boundary after a step (``ended``), or at the run's end: start this step's log
+        gather when due, and finish the previous one. Returns the finished one's record and the
+        largest preemption ``signal`` any rank sent with it. Collective when due: every rank
+        reaches the same steps."""
         logged = self._finish_gather() if self.gather.pending is not None else None
         due = ended and (step % self.every == 0 or step == 1)
         if (due or last) and step != self.logged_step and step != self.start_step:
