@@ -86,7 +86,17 @@ _INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d
 class _NamesUnused:
     """An engine whose error for parameters that got no gradient in the last backward pass is
     one line naming them and the fix in ``ddpkit.Run``'s terms (torch's numbers them and names
-    DDP's keyword)."""
+    DDP's keyword), and which gives the user's attributes and methods (``model.backbone``,
+    ``model.generate``) as the user's own model does (Lightning Fabric's wrapper does the same)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # nn.Module's: the engine's parameters, buffers, children
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:  # not wrapped yet (the engine's own constructor looking)
+                raise
+            return getattr(module, name)
 
     def forward(self, *inputs, **kwargs):
         try:

@@ -135,6 +135,22 @@ class _GatedScheduler:
         return _rebuild, (_user_class(self), state)
 
 
+class _GatedAverage:
+    """Mixed in before the user's ``AveragedModel`` (an EMA, SWA) by ``gate``: the average takes
+    the weights once per optimizer step, not once per micro-batch."""
+
+    ddpkit_gate: OptimizerGate
+
+    def update_parameters(self, model: nn.Module) -> None:
+        if self.ddpkit_gate.accumulating:
+            return None  # not the step's last micro-batch: the weights have not moved
+        return super().update_parameters(model)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
+        return _rebuild, (_user_class(self), state)
+
+
 def _user_class(obj: object) -> type:
     return type(obj).__mro__[2]  # (the gated class, the mixin, the user's class, ...)
 
@@ -149,7 +165,8 @@ _CLASSES: dict[type, type] = {}
 
 
 def gate(obj: object, owner: OptimizerGate) -> None:
-    """Make an optimizer or LR scheduler step only at step boundaries; other objects are left alone."""
+    """Make an optimizer, LR scheduler or AveragedModel act only at a step's last micro-batch;
+    other objects are left alone."""
     if isinstance(obj, torch.optim.Optimizer):
         mixin = _GatedOptimizer
         # A scheduler built before this call replaced obj.step on the instance; drop that so
@@ -157,6 +174,8 @@ def gate(obj: object, owner: OptimizerGate) -> None:
         obj.__dict__.pop("step", None)
     elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau):
         mixin = _GatedScheduler
+    elif isinstance(obj, torch.optim.swa_utils.AveragedModel):
+        mixin = _GatedAverage
     else:
         return
     if isinstance(obj, mixin):

@@ -27,3 +27,18 @@ def kind_of(obj: Any) -> str:
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau):
         return "scheduler"
     return "scaler" if isinstance(obj, torch.amp.GradScaler) else type(obj).__name__.lower()
+
+
+class DictState:
+    """A dict of the loop's own state (``{"best_val": 0.3, "bad_epochs": 1}``), checkpointed by
+    ``run.track(loop=state)`` and restored in place: the user's dict is the one that changes."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = values
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values.clear()
+        self.values.update(state)

@@ -30,7 +30,7 @@ from ddpkit.run.loader import Loader, make_source
 from ddpkit.run.models import check_same_model, load_weights, save_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
-from ddpkit.run.registry import kind_of, new_name
+from ddpkit.run.registry import DictState, kind_of, new_name
 from ddpkit.run.seeding import seed_everything
 from ddpkit.run.session import Session
 
@@ -139,12 +139,15 @@ class Run:
         return wrapped
 
     def track(self, *objects: Any, **named: Any) -> None:
-        """Checkpoint these objects with the run: optimizers, LR schedulers, GradScalers, or anything
-        with ``state_dict()`` and ``load_state_dict()``. Optimizers and schedulers then step once per
-        global batch: on earlier micro-batches ``step()`` waits, ``zero_grad()`` keeps the gradients."""
+        """Checkpoint these objects with the run: optimizers, LR schedulers, GradScalers, an EMA
+        (``AveragedModel``), anything with ``state_dict()`` and ``load_state_dict()``, or a dict of
+        the loop's own state (``best_val``, ``bad_epochs``: restored in place on resume).
+        Optimizers, schedulers and an EMA's ``update_parameters`` then act once per global batch:
+        on earlier micro-batches they wait, and ``zero_grad()`` keeps the gradients."""
         for obj in objects:
             named[self._new_name(None, kind_of(obj))] = obj
         for name, obj in named.items():
+            obj = DictState(obj) if isinstance(obj, dict) else obj
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(
                     f"run.track({name}=...) needs state_dict() and load_state_dict(); "

@@ -1,0 +1,108 @@
+"""What a loop does at the edges of a step and an epoch, in a world of one (fast): validation and a
+plateau scheduler after an epoch, early stopping's own counters, an EMA after optimizer.step(), the
+user's own model attributes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+
+class Killed(Exception):
+    """Stands in for a SIGKILL: the run leaves without its end."""
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.backbone(x)))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+
+
+def _train(out, kill_at: int | None = None, epochs: int = 4) -> dict:
+    """4 steps an epoch; after each epoch a validation loss, a plateau scheduler, early stopping."""
+    run = ddpkit.Run(out=out, global_batch=4, micro_batch=2, save_every=4, progress=False)
+    model = run.setup(Net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    ema = AveragedModel(run.objects["model"], multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    loop = {"best": float("inf"), "bad_epochs": 0, "validations": 0}
+    run.track(optimizer, plateau, ema=ema, loop=loop)
+    loader = run.loader(_data())
+    val_x, val_y = _data().tensors
+    try:
+        for epoch in range(loader.epoch, epochs):
+            for x, y in loader:
+                optimizer.zero_grad()
+                run.backward(F.mse_loss(model(x), y))
+                optimizer.step()
+                ema.update_parameters(model)
+                if run.step == kill_at:
+                    raise Killed
+            with torch.no_grad():
+                val = F.mse_loss(model(val_x), val_y).item() + 1.0 * (epoch == 1)  # epoch 1 worse
+            plateau.step(val)
+            loop["validations"] += 1
+            loop["best"], loop["bad_epochs"] = (
+                min(loop["best"], val),
+                0 if val < loop["best"] else loop["bad_epochs"] + 1,
+            )
+            if loop["bad_epochs"] > 1:
+                break
+    except Killed:
+        run.close()
+        return {}
+    run.finish()
+    return {
+        "weights": {k: v.clone() for k, v in run.objects["model"].state_dict().items()},
+        "ema": {k: v.clone() for k, v in ema.state_dict().items()},
+        "lr": optimizer.param_groups[0]["lr"],
+        "loop": dict(loop),
+        "n_averaged": int(ema.n_averaged),
+    }
+
+
+@pytest.mark.parametrize("kill_at", [5, 6])
+def test_epoch_end_code_is_in_the_checkpoint_and_a_killed_run_resumes_bit_equal(tmp_path, kill_at):
+    # Killed in epoch 1, after the step-4 checkpoint: that checkpoint once held the state from
+    # before epoch 0's validation (scheduler, loop counters), so the resumed run never ran it.
+    whole = _train(tmp_path / "whole")
+    assert _train(tmp_path / "cut", kill_at=kill_at) == {}
+    resumed = _train(tmp_path / "cut")
+    assert resumed["loop"] == whole["loop"] and resumed["loop"]["validations"] == 4
+    assert resumed["lr"] == whole["lr"] == 0.05  # the plateau after epoch 1 halved it once
+    for part in ("weights", "ema"):
+        assert all(torch.equal(resumed[part][k], whole[part][k]) for k in whole[part]), part
+
+
+def test_a_tracked_ema_takes_the_weights_once_per_optimizer_step(tmp_path):
+    # 4 steps an epoch of 2 micro-batches each: 16 steps, not 32 micro-batch updates.
+    assert _train(tmp_path / "run")["n_averaged"] == 16
+
+
+def test_the_wrapped_model_gives_the_users_attributes_and_methods():
+    for engine in ("torch", "native"):
+        run = ddpkit.Run(engine=engine, progress=False)
+        model = run.setup(Net())
+        x = torch.randn(2, 4)
+        assert model.backbone is run.objects["model"].backbone
+        assert torch.equal(model.features(x), run.objects["model"].features(x))
+        with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+            model.nothing  # noqa: B018
+        run.finish()
