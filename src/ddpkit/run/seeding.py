@@ -31,19 +31,64 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _rng_states() -> tuple:
-    return random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+GENERATOR_TYPES = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)
 
 
-def _set_rng_states(states: tuple) -> None:
+def owned_generators(dataset: Dataset) -> dict[str, Any]:
+    """The generators a dataset holds as attributes (``self.rng = np.random.default_rng()``): its
+    draws come from them, not from the global ones, so they are seeded per sample too."""
+    found = {name: value for name, value in vars(dataset).items() if isinstance(value, GENERATOR_TYPES)}
+    return {
+        name: g for name, g in found.items() if not isinstance(g, torch.Generator) or g.device.type == "cpu"
+    }
+
+
+def _get_state(g: Any) -> Any:
+    if isinstance(g, np.random.Generator):
+        return g.bit_generator.state
+    return g.getstate() if isinstance(g, random.Random) else g.get_state()
+
+
+def _set_state(g: Any, state: Any) -> None:
+    if isinstance(g, np.random.Generator):
+        g.bit_generator.state = state
+    elif isinstance(g, random.Random):
+        g.setstate(state)
+    else:
+        g.set_state(state)
+
+
+def _seed(g: Any, seed: int) -> None:
+    if isinstance(g, np.random.Generator):
+        g.bit_generator.state = type(g.bit_generator)(seed).state
+    elif isinstance(g, np.random.RandomState):
+        g.seed(seed % 2**32)
+    elif isinstance(g, torch.Generator):
+        g.manual_seed(seed)
+    else:
+        g.seed(seed)
+
+
+def _rng_states(owned: dict[str, Any]) -> tuple:
+    own = {name: _get_state(g) for name, g in owned.items()}
+    return random.getstate(), np.random.get_state(), torch.default_generator.get_state(), own
+
+
+def _set_rng_states(states: tuple, owned: dict[str, Any]) -> None:
     random.setstate(states[0])
     np.random.set_state(states[1])
     torch.default_generator.set_state(states[2])
+    for name, g in owned.items():
+        _set_state(g, states[3][name])
 
 
 def _same_states(a: tuple, b: tuple) -> bool:
     return (
-        a[0] == b[0] and a[1][2:] == b[1][2:] and np.array_equal(a[1][1], b[1][1]) and torch.equal(a[2], b[2])
+        a[0] == b[0]
+        and a[1][2:] == b[1][2:]
+        and np.array_equal(a[1][1], b[1][1])
+        and torch.equal(a[2], b[2])
+        and repr(a[3]) == repr(b[3])  # the owned generators' states: dicts, tuples, arrays, tensors
     )
 
 
@@ -52,8 +97,10 @@ class SeededFetch(Dataset):
     at any world size, any micro_batch and after a resume.
 
     Before each sample is fetched, python, numpy and torch's CPU generator are seeded from (run
-    seed, epoch, sample index): which rank, worker or micro-batch fetches a sample no longer
-    matters. In the training process (num_workers=0) the generators are put back afterwards, so
+    seed, epoch, sample index), and so is every generator the dataset holds as an attribute
+    (numpy ``Generator``/``RandomState``, ``random.Random``, a CPU ``torch.Generator``): which
+    rank, worker or micro-batch fetches a sample no longer matters. In the training process
+    (num_workers=0) the generators are put back afterwards, so
     the model's own draws (dropout) are what they would be without data loading. Seeding costs
     about 9 us a sample, so the first micro-batch of each epoch is fetched plainly to see whether
     the dataset draws at all; one that does not (a TensorDataset) is not seeded that epoch.
@@ -62,6 +109,7 @@ class SeededFetch(Dataset):
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
         self.draws: bool | None = None  # whether the dataset draws random numbers; None: not known yet
+        self.owned = owned_generators(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,18 +120,18 @@ class SeededFetch(Dataset):
     def __getitems__(self, indices: list[int]) -> list:
         if self.draws is False:
             return self._plain(indices)
-        before = _rng_states()
+        before = _rng_states(self.owned)
         in_worker = get_worker_info() is not None
         try:
             if self.draws is None:
                 batch = self._plain(indices)
-                self.draws = not _same_states(before, _rng_states())
+                self.draws = not _same_states(before, _rng_states(self.owned))
                 if not self.draws:
                     return batch
             return [self._seeded(getattr(indices, "epoch", 0), index) for index in indices]
         finally:
             if not in_worker:  # a worker's generators are its own; the training process's are the run's
-                _set_rng_states(before)
+                _set_rng_states(before, self.owned)
 
     def _plain(self, indices: list[int]) -> list:
         own = getattr(self.dataset, "__getitems__", None)
@@ -96,4 +144,6 @@ class SeededFetch(Dataset):
         # The CPU generator alone: all a transform in a worker can draw from (a worker cannot use
         # CUDA), and torch.manual_seed's visit to every other backend costs ~0.2 ms.
         torch.default_generator.manual_seed(seed)
+        for number, g in enumerate(self.owned.values(), start=1):  # each its own stream
+            _seed(g, sample_seed(seed, number, index))
         return self.dataset[index]
