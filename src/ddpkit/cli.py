@@ -14,6 +14,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import check_script, run_elastic, run_parser
 from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.stopping import Stopped
+from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.version import __version__
 
 USAGE = """usage: ddpkit COMMAND [ARGS]
@@ -82,6 +83,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_excepthook()  # what escapes a command ends as ddpkit.launch.uncaught says
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
