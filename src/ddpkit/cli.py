@@ -40,7 +40,13 @@ def cmd_run(argv: list[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "comm", "scaling", "trainer")
+# Each benchmark is a module of ddpkit.bench with main(argv) -> exit code, imported on demand.
+BENCHMARKS = {
+    "engine": "ddpkit.bench.engine_bench",
+    "comm": "ddpkit.bench.comm",
+    "scaling": "ddpkit.bench.scaling",
+    "trainer": "ddpkit.bench.trainer_bench",
+}
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -56,8 +62,7 @@ def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         got = argv[0] if argv else "nothing"
         raise ConfigError(f"ddpkit bench needs one of {', '.join(BENCHMARKS)}, got {got!r}")
-    # Each benchmark lives in ddpkit/bench/KIND.py with main(argv) -> exit code; imported on demand.
-    module = importlib.import_module(f"ddpkit.bench.{argv[0]}")
+    module = importlib.import_module(BENCHMARKS[argv[0]])
     return module.main(argv[1:])
 
 

@@ -20,7 +20,7 @@ from torch.distributed.launcher.api import elastic_launch
 from ddpkit.dist import cpu_cores
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error
-from ddpkit.launch.monitor import HangMonitor
+from ddpkit.launch.hang_monitor import HangMonitor
 from ddpkit.launch.ports import check_port_free
 from ddpkit.launch.rendezvous import checked_backend, node_zero_port_taken
 from ddpkit.launch.stopping import (

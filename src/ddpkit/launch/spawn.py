@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LaunchError, is_peer_failure
-from ddpkit.launch.monitor import watchdog_verdict
+from ddpkit.launch.hang_monitor import watchdog_verdict
 from ddpkit.launch.stores import LOOPBACK, bound_store
 from ddpkit.launch.uncaught import install_excepthook
 
