@@ -74,6 +74,12 @@ class DistEnv:
         """True on the first process of each node."""
         return self.local_rank == 0
 
+    @property
+    def collective_device(self) -> torch.device:
+        """The device a collective's tensors must be on: this process's GPU under nccl, which
+        communicates nothing else; the CPU under gloo and mpi, also when the model is on a GPU."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class LauncherVars:
