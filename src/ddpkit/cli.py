@@ -11,9 +11,10 @@ import importlib
 import sys
 
 from ddpkit.errors import ConfigError
-from ddpkit.launch.elastic import check_script, run_elastic, run_parser
+from ddpkit.launch.elastic import run_elastic
 from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.stopping import Stopped
+from ddpkit.launch.torchrun_flags import check_script, run_parser
 from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.version import __version__
 

@@ -138,7 +138,7 @@ def test_launch_flags_read_the_same_on_a_torchrun_without_shutdown_timeout(monke
     # AttributeError: 'Namespace' object has no attribute 'shutdown_timeout'.
     import torch.distributed.run as torchrun
 
-    from ddpkit.launch.elastic import add_launch_flags, check_launch_args, run_parser, torchrun_argv
+    from ddpkit.launch.torchrun_flags import add_launch_flags, check_launch_args, run_parser, torchrun_argv
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -146,7 +146,9 @@ def test_launch_flags_read_the_same_on_a_torchrun_without_shutdown_timeout(monke
         monkeypatch.setattr(torchrun, "get_args_parser", parser_of)
         ns = run_parser().parse_args(["--nproc", "1", *given, str(script)])
         check_launch_args(ns)
-        assert ns.shutdown_timeout == (int(given[1]) if given else parser_of().get_default("shutdown_timeout"))
+        assert ns.shutdown_timeout == (
+            int(given[1]) if given else parser_of().get_default("shutdown_timeout")
+        )
         # `ddpkit train`'s route: its own flags, turned into torchrun's and read back.
         train = argparse.ArgumentParser()
         add_launch_flags(train)

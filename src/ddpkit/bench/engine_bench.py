@@ -33,7 +33,7 @@ from ddpkit.bench.engine_summary import format_layouts, format_table, format_tar
 from ddpkit.dist import cpu_cores, destroy, init_distributed
 from ddpkit.errors import OneLineParser
 from ddpkit.launch import launch
-from ddpkit.launch.elastic import resolve_nproc
+from ddpkit.launch.torchrun_flags import resolve_nproc
 
 _FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head", "threads")
 _HELP = {"threads": "intra-op threads per process; default 0: cores // nproc, as ddpkit sets them"}

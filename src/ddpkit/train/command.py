@@ -18,16 +18,16 @@ from pathlib import Path
 from ddpkit.checkpoint.lock import check_not_running
 from ddpkit.dist import resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
-from ddpkit.launch.elastic import (
+from ddpkit.launch.elastic import run_elastic
+from ddpkit.launch.failures import WorkerFailure
+from ddpkit.launch.torchrun_flags import (
     add_launch_flags,
     check_launch_args,
     nnodes_range,
     resolve_nproc,
-    run_elastic,
     run_parser,
     torchrun_argv,
 )
-from ddpkit.launch.failures import WorkerFailure
 from ddpkit.run.setup import check_split
 from ddpkit.train.flags import add_config_flags, flag_values, read_toml
 from ddpkit.train.job import OWNER, JobConfig, check_same_run, layered
@@ -156,9 +156,7 @@ def just_prepared(out: Path, cfg: JobConfig) -> bool:
 
 def cmd_train(argv: list[str]) -> int:
     cfg, ns = parse(argv)
-    torch_ns = run_parser().parse_args(
-        torchrun_argv(ns) + ["-m", "ddpkit.train.worker", "CONFIG"]
-    )
+    torch_ns = run_parser().parse_args(torchrun_argv(ns) + ["-m", "ddpkit.train.worker", "CONFIG"])
     nproc = resolve_nproc(str(ns.nproc))
     resolve_backend(cfg.run.backend, nproc)
     low, high = nnodes_range(ns.nnodes)
