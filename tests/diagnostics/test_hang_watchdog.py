@@ -176,7 +176,8 @@ def test_a_hang_in_start_up_names_the_start_up_timeout(world_of_one, tmp_path):
     with _Recording(world_of_one, 0.2, poll_s=0.05, report_path=report, startup_s=0.5) as watchdog:
         _wait_until(lambda: watchdog.exits, 10)
     assert report.read_text().startswith(
-        "ddpkit hang report: rank 0 made no progress for 0.5 s (startup_timeout: the first step had not ended)"
+        "ddpkit hang report: rank 0 made no progress for 0.5 s "
+        "(startup_timeout: the first step had not ended)"
     )
 
 
