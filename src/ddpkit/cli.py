@@ -11,9 +11,11 @@ import importlib
 import sys
 
 from ddpkit.errors import ConfigError
-from ddpkit.launch.elastic import check_script, run_elastic, run_parser
+from ddpkit.launch.elastic import run_elastic
 from ddpkit.launch.failures import WorkerFailure
 from ddpkit.launch.stopping import Stopped
+from ddpkit.launch.torchrun_flags import check_script, run_parser
+from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.version import __version__
 
 USAGE = """usage: ddpkit COMMAND [ARGS]
@@ -39,7 +41,13 @@ def cmd_run(argv: list[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "comm", "scaling", "trainer")
+# Each benchmark is a module of ddpkit.bench with main(argv) -> exit code, imported on demand.
+BENCHMARKS = {
+    "engine": "ddpkit.bench.engine_bench",
+    "comm": "ddpkit.bench.comm",
+    "scaling": "ddpkit.bench.scaling",
+    "trainer": "ddpkit.bench.trainer_bench",
+}
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -55,8 +63,7 @@ def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         got = argv[0] if argv else "nothing"
         raise ConfigError(f"ddpkit bench needs one of {', '.join(BENCHMARKS)}, got {got!r}")
-    # Each benchmark lives in ddpkit/bench/KIND.py with main(argv) -> exit code; imported on demand.
-    module = importlib.import_module(f"ddpkit.bench.{argv[0]}")
+    module = importlib.import_module(BENCHMARKS[argv[0]])
     return module.main(argv[1:])
 
 
@@ -82,6 +89,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_excepthook()  # what escapes a command ends as ddpkit.launch.uncaught says
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -1,11 +1,12 @@
 """Errors a user can cause, kept apart from bugs so they end as one line, not a traceback.
 
-Importing ddpkit makes an uncaught ``ConfigError`` one line in any script (``sys.excepthook``,
-see ``ddpkit.launch.uncaught``): ``ddpkit: error: MESSAGE`` and exit code 2, from one rank.
+A leaf: it imports nothing of ddpkit, and importing it changes nothing in the process. Where a
+run or a launcher starts (``ddpkit.Run``, the ``ddpkit`` command, ``ddpkit.launch``), it installs
+``ddpkit.launch.uncaught.install_excepthook``, which makes an uncaught ``ConfigError`` one line:
+``ddpkit: error: MESSAGE`` and exit code 2, from one rank.
 """
 
 import argparse
-import sys
 
 USER_ERROR = 2  # the exit code of a process stopped by a ConfigError
 
@@ -14,7 +15,8 @@ class ConfigError(ValueError):
     """A bad value from the user: the message names the value, what is required, and the fix.
 
     The ``ddpkit`` command prints it as one line and exits with code 2, and so does a script
-    that leaves it uncaught; library callers get an ordinary ``ValueError`` subclass.
+    that leaves it uncaught after a ``ddpkit.Run`` started (``install_excepthook``); library
+    callers get an ordinary ``ValueError`` subclass.
     """
 
 
@@ -23,21 +25,3 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message}; see {self.prog} --help")
-
-
-def _one_line(previous):
-    """An excepthook that hands every uncaught exception to ``ddpkit.launch.uncaught.report``."""
-
-    def excepthook(kind, exc, tb):
-        try:  # imported at the error, not here: this module must stay light for every process
-            from ddpkit.launch.uncaught import report
-        except Exception:
-            return previous(kind, exc, tb)
-        return report(kind, exc, tb, previous)
-
-    excepthook.ddpkit_one_line = True
-    return excepthook
-
-
-if not getattr(sys.excepthook, "ddpkit_one_line", False):
-    sys.excepthook = _one_line(sys.excepthook)

@@ -9,21 +9,49 @@ from ddpkit.dist import DistEnv, read_launcher_vars, resolve_backend
 from ddpkit.dist.env import first_slurm_host, slurm_tasks_on_node
 from ddpkit.errors import ConfigError
 
-TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"}
-SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
-         "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "4242"}
+TORCHRUN = {
+    "RANK": "5",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "abc",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+}
+SLURM = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "6",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "3(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-09]",
+    "SLURM_JOB_ID": "4242",
+}
 
 
 def test_torchrun_variables_give_ranks_and_env_init():
     found = read_launcher_vars(TORCHRUN)
-    assert (found.rank, found.local_rank, found.world_size, found.local_world_size, found.node_rank) == (5, 1, 8, 4, 1)
+    assert (found.rank, found.local_rank, found.world_size, found.local_world_size, found.node_rank) == (
+        5,
+        1,
+        8,
+        4,
+        1,
+    )
     assert found.launcher == "elastic" and found.init_method == "env://" and found.restart_count == 2
 
 
 def test_slurm_variables_give_ranks_and_tcp_init_on_first_node():
     found = read_launcher_vars(SLURM)
-    assert (found.rank, found.local_rank, found.world_size, found.local_world_size, found.node_rank) == (3, 0, 6, 3, 1)
+    assert (found.rank, found.local_rank, found.world_size, found.local_world_size, found.node_rank) == (
+        3,
+        0,
+        6,
+        3,
+        1,
+    )
     assert found.launcher == "slurm"
     assert found.init_method == f"tcp://gpu07:{15000 + 4242 % 20000}"
 
@@ -43,7 +71,8 @@ def test_bad_variable_is_named():
 
 
 @pytest.mark.parametrize(
-    ("nodelist", "host"), [("node01", "node01"), ("gpu[07-09]", "gpu07"), ("a[3,5-6],b1", "a3"), ("h1,h2", "h1")]
+    ("nodelist", "host"),
+    [("node01", "node01"), ("gpu[07-09]", "gpu07"), ("a[3,5-6],b1", "a3"), ("h1,h2", "h1")],
 )
 def test_first_slurm_host(nodelist, host):
     assert first_slurm_host(nodelist) == host
@@ -61,6 +90,16 @@ def test_distenv_is_frozen_and_checks_ranks():
         env.rank = 0  # type: ignore[misc]
     with pytest.raises(ConfigError, match="rank 2 is outside world_size 2"):
         DistEnv(rank=2, world_size=2)
+
+
+def test_collectives_run_on_the_gpu_under_nccl_and_on_the_cpu_otherwise():
+    gpu = torch.device("cuda", 1)
+    assert (
+        DistEnv(local_rank=1, local_world_size=2, world_size=2, device=gpu, backend="nccl").collective_device
+        == gpu
+    )
+    assert DistEnv(device=gpu, backend="gloo").collective_device == torch.device("cpu")
+    assert DistEnv().collective_device == torch.device("cpu")
 
 
 def test_backend_auto_is_gloo_without_enough_gpus():

@@ -210,7 +210,7 @@ def check_ddpkit(argv: list[str], monkeypatch) -> str | None:
     """None when ``ddpkit ARGV`` parses, else why not. Nothing is started."""
     from ddpkit import cli
     from ddpkit.errors import ConfigError
-    from ddpkit.launch.elastic import check_script, resolve_nproc, run_parser
+    from ddpkit.launch.torchrun_flags import check_script, resolve_nproc, run_parser
     from ddpkit.train.command import parse
 
     try:

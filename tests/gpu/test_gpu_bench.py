@@ -1,8 +1,9 @@
 """``ddpkit bench engine`` on a GPU machine: it runs to the end and prints its ratio table.
 
 The engine benchmark has no CUDA mode today: its ranks join over gloo and train CPU copies of
-the GPT (src/ddpkit/bench/engine.py), so on a GPU machine it measures the CPU engines. This test
-keeps it working there; speed is not asserted (speed goals live in benchmarks, not in tests).
+the GPT (src/ddpkit/bench/engine_rounds.py), so on a GPU machine it measures the CPU engines.
+This test keeps it working there; speed is not asserted (speed goals live in benchmarks, not in
+tests).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from ddpkit.bench.engine import DEFAULT_ENGINES
+from ddpkit.bench.engine_rounds import DEFAULT_ENGINES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -138,7 +138,7 @@ def test_launch_flags_read_the_same_on_a_torchrun_without_shutdown_timeout(monke
     # AttributeError: 'Namespace' object has no attribute 'shutdown_timeout'.
     import torch.distributed.run as torchrun
 
-    from ddpkit.launch.elastic import add_launch_flags, check_launch_args, run_parser, torchrun_argv
+    from ddpkit.launch.torchrun_flags import add_launch_flags, check_launch_args, run_parser, torchrun_argv
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from ddpkit.bench import engine, engine_summary
+from ddpkit.bench import engine_rounds, engine_summary
 from ddpkit.cli import main as cli_main
 from ddpkit.errors import ConfigError
 
@@ -86,7 +86,7 @@ def test_interval90_brackets_the_median_and_is_repeatable() -> None:
 
 def test_unknown_engine_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown names \\['nccl'\\]"):
-        engine.EngineBenchConfig(engines=("torch", "nccl"))
+        engine_rounds.EngineBenchConfig(engines=("torch", "nccl"))
 
 
 @pytest.mark.slow
@@ -109,4 +109,4 @@ def test_tiny_run_end_to_end(tmp_path, capsys) -> None:
 
 def test_negative_threads_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--threads -1 is negative"):
-        engine.EngineBenchConfig(threads=-1)
+        engine_rounds.EngineBenchConfig(threads=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from ddpkit.bench import engine, engine_link
+from ddpkit.bench import engine_link, engine_rounds
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import PowerSGD, make_hook
 from ddpkit.parallel.compression import parse_powersgd
@@ -35,19 +35,20 @@ def test_an_out_of_range_powersgd_string_names_itself_and_the_fix(spec: str, fix
 
 
 def test_engine_bench_runs_powersgd_at_a_rank_after_its_plain_steps(monkeypatch) -> None:
-    cfg = engine.EngineBenchConfig(engines=("torch", "native+powersgd", "native+powersgd:4:50"))
-    assert engine.warmup_steps(cfg, "native+powersgd") == cfg.warmup + 10
-    assert engine.warmup_steps(cfg, "native+powersgd:4") == cfg.warmup + 10
-    assert engine.warmup_steps(cfg, "native+powersgd:4:50") == cfg.warmup + 50
-    monkeypatch.setattr(engine, "DataParallel", lambda model, **kwargs: kwargs)  # no process group
-    assert engine.wrap("native+powersgd:4:50", nn.Linear(2, 2)) == {"compression": "powersgd:4:50"}
+    cfg = engine_rounds.EngineBenchConfig(engines=("torch", "native+powersgd", "native+powersgd:4:50"))
+    assert engine_rounds.warmup_steps(cfg, "native+powersgd") == cfg.warmup + 10
+    assert engine_rounds.warmup_steps(cfg, "native+powersgd:4") == cfg.warmup + 10
+    assert engine_rounds.warmup_steps(cfg, "native+powersgd:4:50") == cfg.warmup + 50
+    monkeypatch.setattr(engine_rounds, "DataParallel", lambda model, **kwargs: kwargs)  # no process group
+    assert engine_rounds.wrap("native+powersgd:4:50", nn.Linear(2, 2)) == {"compression": "powersgd:4:50"}
     with pytest.raises(ConfigError, match="unknown names \\['native\\+powersgd4'\\].*powersgd:RANK"):
-        engine.EngineBenchConfig(engines=("native+powersgd4",))
+        engine_rounds.EngineBenchConfig(engines=("native+powersgd4",))
     with pytest.raises(ConfigError, match="'powersgd:0'.*at least 1"):
-        engine.EngineBenchConfig(engines=("native+powersgd:0",))
+        engine_rounds.EngineBenchConfig(engines=("native+powersgd:0",))
 
 
 def test_link_bench_targets_the_powersgd_setting_it_runs_by_default() -> None:
     chosen = [name for name, _ in engine_link.LINK_TARGETS if "powersgd" in name]
-    assert chosen and set(chosen) <= set(engine.LINK_ENGINES.split(","))
-    engine.EngineBenchConfig(engines=tuple(engine.LINK_ENGINES.split(",")))  # every default name is valid
+    assert chosen and set(chosen) <= set(engine_rounds.LINK_ENGINES.split(","))
+    # every default name is valid
+    engine_rounds.EngineBenchConfig(engines=tuple(engine_rounds.LINK_ENGINES.split(",")))

@@ -1,1 +1,2 @@
-"""Benchmarks behind ``ddpkit bench KIND``: each ``ddpkit.bench.KIND`` module has ``main(argv) -> int``."""
+"""Benchmarks behind ``ddpkit bench KIND``: each has a module here with ``main(argv) -> int``
+(``ddpkit.cli.BENCHMARKS`` names them: ``engine_bench``, ``comm``, ``scaling``, ``trainer_bench``)."""

@@ -36,7 +36,7 @@ from ddpkit.bench.comm_config import DEFAULT_SIZES, DTYPES, CommConfig, parse_na
 from ddpkit.dist import DistEnv, cpu_cores, destroy, init_distributed, resolve_backend
 from ddpkit.errors import OneLineParser
 from ddpkit.launch import LaunchError, launch
-from ddpkit.launch.elastic import resolve_nproc
+from ddpkit.launch.torchrun_flags import resolve_nproc
 
 # One operation at the largest size takes well under a second; a rank still waiting after this
 # long is stuck (a peer died or refused an operation), and a clear timeout beats a hang.

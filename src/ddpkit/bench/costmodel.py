@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddpkit.bench.engine import EngineBenchConfig
+from ddpkit.bench.engine_rounds import EngineBenchConfig
 from ddpkit.bench.netns import parse_rate
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, assign_buckets

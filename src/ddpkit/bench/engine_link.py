@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench import engine
+from ddpkit.bench.engine_rounds import EngineBenchConfig, measure
 from ddpkit.bench.engine_summary import NO_COMM, format_layouts, format_table, format_targets, summarize
 from ddpkit.bench.netns import emulated_hosts, exec_prefix, parse_rate, why_not
 from ddpkit.dist import cpu_cores, destroy, init_distributed
@@ -44,7 +44,7 @@ WORKER = (sys.executable, "-m", "ddpkit.bench.engine_link")  # _worker, one per 
 PORT = 29500  # the namespaces are new and empty: nothing else can hold a port in them
 
 
-def run(cfg: engine.EngineBenchConfig, rate_bps: float | None, hosts: int, timeout: float = 3600) -> dict:
+def run(cfg: EngineBenchConfig, rate_bps: float | None, hosts: int, timeout: float = 3600) -> dict:
     """The timed run on ``hosts`` emulated hosts; ``rate_bps`` None: an uncapped link."""
     threads = cfg.threads or max(1, cpu_cores() // hosts)
     with tempfile.TemporaryDirectory() as tmp, emulated_hosts(hosts, rate_bps) as machines:
@@ -171,10 +171,10 @@ def format_link(link: dict) -> str:
 
 def _worker(cfg_file: str, out_file: str) -> None:
     raw = json.loads(Path(cfg_file).read_text(encoding="utf-8"))
-    cfg = engine.EngineBenchConfig(**(raw | {"engines": tuple(raw["engines"])}))
+    cfg = EngineBenchConfig(**(raw | {"engines": tuple(raw["engines"])}))
     env = init_distributed("gloo")
     try:
-        timed = engine.measure(cfg, env.rank, env.world_size, extra=_probes)
+        timed = measure(cfg, env.rank, env.world_size, extra=_probes)
         if env.is_rank0:
             Path(out_file).write_text(json.dumps(timed), encoding="utf-8")
     finally:
@@ -187,7 +187,7 @@ def unavailable() -> str | None:
     return None if reason is None else f"ddpkit bench engine --link cannot run here: {reason}"
 
 
-def main(ns: argparse.Namespace, cfg: engine.EngineBenchConfig) -> int:
+def main(ns: argparse.Namespace, cfg: EngineBenchConfig) -> int:
     """``ddpkit bench engine --link``: the table, the link and the ideals; 0 also when it cannot run."""
     rate = parse_rate(ns.link)
     if ns.hosts < 2:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddpkit.bench.engine import VOCAB, EngineBenchConfig
+from ddpkit.bench.engine_rounds import VOCAB, EngineBenchConfig
 from ddpkit.data.text import CharTokenizer, load_text
 from ddpkit.dist import destroy, init_distributed
 from ddpkit.launch import launch

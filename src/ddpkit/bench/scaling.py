@@ -31,7 +31,7 @@ from ddpkit.bench.dataparallel import dataparallel_throughput
 from ddpkit.dist import cpu_cores, destroy, init_distributed, resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch import LaunchError, launch
-from ddpkit.launch.elastic import resolve_nproc
+from ddpkit.launch.torchrun_flags import resolve_nproc
 from ddpkit.run import Run
 from ddpkit.run.config import check_split
 from ddpkit.train.job import JobConfig, layered

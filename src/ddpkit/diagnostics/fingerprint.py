@@ -41,7 +41,7 @@ def check_replicas_agree(module: nn.Module, env: DistEnv, when: str, buffers: bo
     """
     names, local = fingerprint(module, buffers)
     gathered = [torch.empty_like(local) for _ in range(env.world_size)]
-    dist.all_gather(gathered, local.to(env.device) if env.backend == "nccl" else local)
+    dist.all_gather(gathered, local.to(env.collective_device))
     reference = gathered[0].cpu()
     bad = [rank for rank, fp in enumerate(gathered) if not torch.equal(fp.cpu(), reference)]
     if not bad:

@@ -3,7 +3,8 @@
 Every rank runs a ``HangWatchdog``: a daemon thread that watches the rank's own progress (the
 default group's collective sequence number, which gloo and NCCL advance when a collective is
 issued, and the phase the training loop last announced with ``phase()``) and publishes it in the
-rendezvous store whenever it changes. Each watchdog thread goes through these states:
+rendezvous store whenever it changes (the keys: ``hang_exchange``). Each watchdog thread goes
+through these states:
 
     watching --(own idle >= timeout_s; store.add(REPORTER) == 1)--> reporting
         reporting: set REQUEST, collect answers for answer_s, print and write the report,
@@ -21,13 +22,11 @@ answer: the report shows its last published state and says it did not answer.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.desync import Blocked, desync_headline, desync_line
 from ddpkit.diagnostics.desync_probe import DesyncProbe
 from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
+from ddpkit.diagnostics.hang_exchange import Exchange
 from ddpkit.diagnostics.hang_report import format_report, summary_line
 from ddpkit.diagnostics.hang_state import Progress, RankState
 from ddpkit.diagnostics.hang_store import STORE_TIMEOUT_S, BoundedStore, watchdog_store
@@ -43,17 +43,6 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-_REPORTER, _REQUEST = "reporter", "request"
-SUMMARY = "summary"  # the reporter's one-line attribution and report path, for the launcher
-
-
-def _state_key(rank: int) -> str:
-    return f"state/{rank}"
-
-
-def _answer_key(rank: int) -> str:
-    return f"answer/{rank}"
 
 
 class HangWatchdog:
@@ -108,6 +97,7 @@ class HangWatchdog:
         self.answer_s = 2 * self.poll_s + 2.0  # answers come at the next poll of each rank
         self._given_store = store
         self._store: BoundedStore | None = None
+        self._exchange: Exchange | None = None
         self._mark: tuple[int, str] = (0, "started")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,6 +140,7 @@ class HangWatchdog:
         initialized = dist.is_available() and dist.is_initialized()
         self._group = dist.group.WORLD if initialized else None
         self._store = BoundedStore(self._given_store if self._given_store is not None else watchdog_store())
+        self._exchange = Exchange(self._store, self.env.rank, self.env.world_size)
         self._probe = None
         if self.desync_s and self._group is not None:
             # A blocked rank compares every desync_s / 10, at least a poll apart: the report comes
@@ -201,7 +192,7 @@ class HangWatchdog:
         progressed = self._progress.observe(self._sequence_number(), self._mark, now)
         if progressed:
             self._publish(self._progress.state(self.env.rank, now))
-        if not self._answered and self._store.call("check", [_REQUEST]):
+        if not self._answered and self._exchange.requested():
             self._answer(now)
         if self._following_since is not None:
             self._follow(now)
@@ -220,7 +211,7 @@ class HangWatchdog:
             return max(self._progress.seq, 0)
 
     def _publish(self, state: RankState) -> None:
-        self._store.call("set", _state_key(self.env.rank), state.to_json())
+        self._exchange.publish(state)
 
     def _fresh_state(self, now: float) -> RankState:
         state = self._progress.state(self.env.rank, now)
@@ -228,8 +219,7 @@ class HangWatchdog:
         return state.with_op(inflight_op(name, state.seq)) if name else state
 
     def _answer(self, now: float) -> None:
-        payload = {"state": asdict(self._fresh_state(now)), "stack": thread_stack(self._main_ident)}
-        self._store.call("set", _answer_key(self.env.rank), json.dumps(payload))
+        self._exchange.answer(self._fresh_state(now), thread_stack(self._main_ident))
         self._answered = True
         self._following_since = self._following_since or now
 
@@ -237,13 +227,13 @@ class HangWatchdog:
         """Another rank is reporting; exit a while after it, should the launcher not stop this rank."""
         if now - self._following_since < self.answer_s + self.follow_s:
             return
-        reporter = self._store.call("get", _REQUEST) if self._answered else None
-        who = f"rank {int(reporter)}" if reporter else "another rank"
+        reporter = self._exchange.reporter() if self._answered else None
+        who = f"rank {reporter}" if reporter is not None else "another rank"
         log.error("%s reported a hang (see its report); exiting with code %d", who, HANG_EXIT_CODE)
         self._exit(HANG_EXIT_CODE)
 
     def _on_timeout(self, now: float, desync: list[Blocked] | None = None) -> None:
-        claim = self._store.call("add", _REPORTER, 1)
+        claim = self._exchange.claim()
         if claim is None:
             self._report_alone(now)
         elif claim == 1:
@@ -252,39 +242,17 @@ class HangWatchdog:
             self._following_since = now  # a peer claimed the report; it will ask for our stack
 
     def _report(self, now: float, desync: list[Blocked] | None = None) -> None:
-        self._store.call("set", _REQUEST, str(self.env.rank))
-        states = {self.env.rank: self._fresh_state(now)}
-        stacks = {self.env.rank: thread_stack(self._main_ident)}
-        for rank, answer in self._collect_answers().items():
-            states[rank], stacks[rank] = RankState(**answer["state"]), answer["stack"]
-        for rank in set(range(self.env.world_size)) - set(states):
-            if (last := self._last_state(rank)) is not None:
-                states[rank] = last
+        own = (self._fresh_state(now), thread_stack(self._main_ident))
+        states, stacks = self._exchange.gather(*own, self.answer_s, self.poll_s)
         rank, size = self.env.rank, self.env.world_size
         path = str(self.report_path) if self.report_path is not None else ""
         line = desync_line(desync) if desync else summary_line(states, size, set(stacks))
-        self._store.call("set", SUMMARY, json.dumps({"reporter": rank, "line": line, "path": path}))
+        self._exchange.summarize(line, path)
         headline = desync_headline(desync, self.desync_s) if desync else ()
         when, source = time.time(), self._source()
         self._emit(
             format_report(rank, self.limit_s, size, states, stacks, when, headline=headline, source=source)
         )
-
-    def _collect_answers(self) -> dict[int, dict]:
-        """Answers of the other ranks, waiting up to ``answer_s`` for those that poll late."""
-        pending, found = set(range(self.env.world_size)) - {self.env.rank}, {}
-        deadline = time.monotonic() + self.answer_s
-        while pending and time.monotonic() < deadline:
-            for rank in sorted(pending):
-                if (raw := self._store.get_if_set(_answer_key(rank))) is not None:
-                    found[rank] = json.loads(raw)
-                    pending.discard(rank)
-            time.sleep(min(0.1, self.poll_s))
-        return found
-
-    def _last_state(self, rank: int) -> RankState | None:
-        raw = self._store.get_if_set(_state_key(rank))
-        return RankState.from_json(raw) if raw is not None else None
 
     def _report_alone(self, now: float) -> None:
         alone = (

@@ -76,7 +76,8 @@ class DistEnv:
 
     @property
     def collective_device(self) -> torch.device:
-        """Where a collective's tensors must be: this rank's GPU under NCCL, the CPU otherwise."""
+        """The device a collective's tensors must be on: this process's GPU under nccl, which
+        communicates nothing else; the CPU under gloo and mpi, also when the model is on a GPU."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
 

@@ -19,8 +19,9 @@ import torch.multiprocessing as mp
 
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LaunchError, is_peer_failure
-from ddpkit.launch.monitor import watchdog_verdict
+from ddpkit.launch.hang_monitor import watchdog_verdict
 from ddpkit.launch.stores import LOOPBACK, bound_store
+from ddpkit.launch.uncaught import install_excepthook
 
 STORE_TIMEOUT_S = 300.0  # for this process's own client of the store, which it never uses
 
@@ -36,6 +37,7 @@ def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list
         nproc: number of processes (ranks 0 .. nproc - 1).
         args: positional arguments passed to ``fn`` in every process.
     """
+    install_excepthook()  # the caller's script: a ConfigError it leaves uncaught is one line
     if not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc must be a positive integer, got {nproc!r}")
     # This process hosts the ranks' store, on loopback alone: a TCPStore rank 0 opened itself would
@@ -76,6 +78,7 @@ def _first_failure(results: Path, exc: mp.ProcessRaisedException) -> tuple[int, 
 
 
 def _child(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, results: str) -> None:
+    install_excepthook()  # a fresh interpreter (spawn): a run starts here
     # The launcher's job is to set these, exactly as torchrun does; dist/ reads them.
     os.environ.update(
         MASTER_ADDR=LOOPBACK,

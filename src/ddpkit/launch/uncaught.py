@@ -1,7 +1,9 @@
-"""How a process that imported ddpkit ends on an uncaught exception: a ConfigError is one line.
+"""How a process where ddpkit started a run ends on an uncaught exception: a ConfigError is one line.
 
-``ddpkit.errors`` makes ``report`` the excepthook of every process that imports ddpkit, so a
-user's own script gets it under any launcher (torchrun, srun, plain ``python``). A
+``install_excepthook`` makes ``report`` the process's excepthook. Importing ddpkit does not:
+what starts a run or a launcher calls it (the ``ddpkit.Run`` constructor, the ``ddpkit``
+command, ``ddpkit.launch`` and its children, the ``ddpkit train`` worker), so a user's own
+script gets it under any launcher (torchrun, srun, plain ``python``) once it makes a Run. A
 ``ConfigError`` (a bad value from the user) prints ``ddpkit: error: MESSAGE``, no traceback,
 and exits with code 2; every other exception keeps its traceback (the hook before ours prints it).
 
@@ -37,6 +39,22 @@ ANY_MARK = "ddpkit/config-errors"  # how many ranks did
 # Ranks that raise the same ConfigError reach it within moments of each other (the collective
 # before it lined them up); a rank alone with its error waits this long before saying it.
 MARK_WAIT_S = 5.0
+
+
+def install_excepthook() -> None:
+    """Make ``report`` this process's ``sys.excepthook``, in front of the one it had.
+
+    Idempotent: a second call (a second Run, a launcher inside the CLI) leaves the hook as it is.
+    """
+    if getattr(sys.excepthook, "ddpkit_one_line", False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, exc, tb):
+        return report(kind, exc, tb, previous)
+
+    excepthook.ddpkit_one_line = True
+    sys.excepthook = excepthook
 
 
 def report(kind: type[BaseException], exc: BaseException, tb, previous) -> None:

@@ -7,8 +7,8 @@ keeps no second copy of the gradients and the all-reduce runs on the gradients t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,13 +16,21 @@ from torch import Tensor, nn
 
 from ddpkit.parallel.flat import unflatten
 
-if TYPE_CHECKING:
-    from ddpkit.parallel.compression import CommHook, Handle
-
 # Gradients arrive roughly in reverse registration order, so the first bucket holds the last
 # layers; keeping it small lets its all-reduce start early in backward. 1 MiB is torch DDP's value.
 # DataParallel uses it where that overlap pays: on GPUs, not on a CPU whose cores run backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+class Handle(Protocol):
+    """What a hook returns: ``wait()`` blocks until the bucket holds the averaged gradient."""
+
+    def wait(self) -> object: ...
+
+
+# What ``Bucket.launch`` calls: ``hook(bucket, process_group, divisor) -> handle``. The hooks
+# ddpkit ships are in ``ddpkit.parallel.compression``.
+CommHook = Callable[["Bucket", dist.ProcessGroup, int], Handle]
 
 
 def assign_buckets(

@@ -1,13 +1,14 @@
 """Communication hooks: how one full bucket is averaged across ranks.
 
-A hook is any callable ``hook(bucket, process_group, divisor) -> handle`` where ``handle.wait()``
-leaves the average over ranks in ``bucket.buffer`` (from where the parameters' ``.grad`` get it).
-Hooks written for torch's DDP, ``hook(state, GradBucket) -> Future``, go through
-``DataParallel.register_comm_hook`` instead (``ddpkit.parallel.torch_hooks``). The reducer
-calls the hook as soon as the bucket is full, while backward still runs, and waits on the handles
-once at the end of backward. ``divisor`` is the world size. A hook with ``scale_on_copy = True``
-gets a bucket already multiplied by 1 / divisor: the reducer folds the scaling into the copy that
-moves each gradient into the bucket, one pass over memory instead of two.
+A hook is any callable ``hook(bucket, process_group, divisor) -> handle`` (``CommHook``, defined
+beside the ``Bucket`` that calls it) where ``handle.wait()`` leaves the average over ranks in
+``bucket.buffer`` (from where the parameters' ``.grad`` get it). Hooks written for torch's DDP,
+``hook(state, GradBucket) -> Future``, go through ``DataParallel.register_comm_hook`` instead
+(``ddpkit.parallel.torch_hooks``). The reducer calls the hook as soon as the bucket is full, while
+backward still runs, and waits on the handles once at the end of backward. ``divisor`` is the
+world size. A hook with ``scale_on_copy = True`` gets a bucket already multiplied by 1 / divisor:
+the reducer folds the scaling into the copy that moves each gradient into the bucket, one pass
+over memory instead of two.
 
 Each hook mirrors the order of operations of torch's matching DDP comm hook, so results agree
 with torch bit for bit where the arithmetic allows (world size 2).
@@ -15,27 +16,13 @@ with torch bit for bit where the arithmetic allows (world size 2).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.bucket import Bucket, CommHook, Handle
 from ddpkit.parallel.powersgd import PowerSGD
-
-if TYPE_CHECKING:
-    from ddpkit.parallel.bucket import Bucket
-
-
-class Handle(Protocol):
-    """What a hook returns: ``wait()`` blocks until the bucket holds the averaged gradient."""
-
-    def wait(self) -> object: ...
-
-
-CommHook = Callable[["Bucket", dist.ProcessGroup, int], Handle]
 
 
 def allreduce_hook(bucket: Bucket, process_group: dist.ProcessGroup, divisor: int) -> Handle:

@@ -13,7 +13,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit.dist.threads import warn_if_oversubscribed
 from ddpkit.parallel import checks
-from ddpkit.parallel.compression import CommHook, make_hook
+from ddpkit.parallel.bucket import CommHook
+from ddpkit.parallel.compression import make_hook
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.join import DataParallelJoinHook, agree_on_rank, agree_to_sync
 from ddpkit.parallel.reducer import Reducer

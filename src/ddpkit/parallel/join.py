@@ -13,21 +13,38 @@ rank that trained longest is broadcast, so all ranks leave with the same paramet
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
 from ddpkit.parallel.passes import all_reduce_used
 from ddpkit.parallel.sync import broadcast_coalesced
 
 if TYPE_CHECKING:
-    from ddpkit.parallel.data_parallel import DataParallel
     from ddpkit.parallel.reducer import Reducer
 
 
-def agree_on_rank(model: DataParallel, candidate: bool) -> int:
+class JoinedModel(Protocol):
+    """What this module reads and sets on the model it shadows: a ``DataParallel``, which imports
+    this module and so is named here by what it offers rather than by its class."""
+
+    module: nn.Module
+    reducer: Reducer
+    process_group: dist.ProcessGroup
+    sync_buffers_next: bool  # whether the next forward broadcasts the buffers
+    _join_config: _JoinConfig  # torch's Joinable state
+
+    @property
+    def has_buffers_to_sync(self) -> bool: ...
+
+    @property
+    def join_device(self) -> torch.device: ...
+
+
+def agree_on_rank(model: JoinedModel, candidate: bool) -> int:
     """The highest group rank among those with ``candidate`` True (an all-reduce MAX)."""
     group = model.process_group
     rank = torch.tensor([dist.get_rank(group) if candidate else -1], device=model.join_device)
@@ -35,7 +52,7 @@ def agree_on_rank(model: DataParallel, candidate: bool) -> int:
     return int(rank.item())
 
 
-def agree_to_sync(model: DataParallel, will_sync: bool) -> bool:
+def agree_to_sync(model: JoinedModel, will_sync: bool) -> bool:
     """Tell joined ranks whether this step synchronizes gradients; True if any rank does."""
     flag = torch.tensor([1.0 if will_sync else 0.0], device=model.join_device)
     dist.all_reduce(flag, group=model.process_group)
@@ -49,7 +66,7 @@ class DataParallelJoinHook(JoinHook):
         model: the joined rank's ``DataParallel``.
     """
 
-    def __init__(self, model: DataParallel) -> None:
+    def __init__(self, model: JoinedModel) -> None:
         self.model = model
 
     def main_hook(self) -> None:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.parallel.compression import CastHook, CommHook, PrescaledAllReduce
+from ddpkit.parallel.bucket import CommHook
+from ddpkit.parallel.compression import CastHook, PrescaledAllReduce
 from ddpkit.parallel.powersgd import PowerSGD
 
 log = logging.getLogger("ddpkit.parallel")

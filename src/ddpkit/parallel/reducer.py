@@ -41,8 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, Bucket, assign_buckets
-from ddpkit.parallel.compression import CommHook
+from ddpkit.parallel.bucket import FIRST_BUCKET_BYTES, Bucket, CommHook, assign_buckets
 from ddpkit.parallel.errors import ready_too_often, unfinished_pass
 from ddpkit.parallel.graph import reachable_params
 from ddpkit.parallel.layout import broadcast_plan, plan_layout, rebuild_safe

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.errors import ConfigError
+from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.logs import setup_logging
 from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.cycle import StepCycle
@@ -85,6 +86,7 @@ class Run:
         steps: int | None = None,
         **options: Any,
     ) -> None:
+        install_excepthook()  # an uncaught ConfigError, from here on: one line and exit code 2
         self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg = split_options(options)
         self.cfg = RunConfig(str(out) if out is not None else None, seed, backend, steps)
         if out is None and self.ckpt_cfg.save_every:

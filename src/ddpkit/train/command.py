@@ -18,16 +18,16 @@ from pathlib import Path
 from ddpkit.checkpoint.lock import check_not_running
 from ddpkit.dist import resolve_backend
 from ddpkit.errors import ConfigError, OneLineParser
-from ddpkit.launch.elastic import (
+from ddpkit.launch.elastic import run_elastic
+from ddpkit.launch.failures import WorkerFailure
+from ddpkit.launch.torchrun_flags import (
     add_launch_flags,
     check_launch_args,
     nnodes_range,
     resolve_nproc,
-    run_elastic,
     run_parser,
     torchrun_argv,
 )
-from ddpkit.launch.failures import WorkerFailure
 from ddpkit.run.config import check_split
 from ddpkit.train.flags import add_config_flags, flag_values, read_toml
 from ddpkit.train.job import OWNER, JobConfig, check_same_run, layered

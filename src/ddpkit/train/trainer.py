@@ -87,6 +87,11 @@ class Trainer:
             if self.run.at_step_end and self._eval_due():
                 self.evaluate()
 
+    def fit_batch(self, batch: Any) -> None:
+        """One batch of ``fit``, for a caller that drives the loader itself (``ddpkit bench
+        trainer``): ``_run_batch``, with a subclass's override."""
+        self._run_batch(batch)
+
     def _run_batch(self, batch: Any) -> None:
         loss = self.loss(batch)
         self.optimizer.zero_grad()

@@ -17,6 +17,7 @@ from ddpkit.diagnostics.consistency import check_same_config
 from ddpkit.dist import DistEnv, read_launcher_vars
 from ddpkit.errors import ConfigError
 from ddpkit.launch.orphans import die_with_parent
+from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.run import Run
 from ddpkit.train.job import JobConfig
 from ddpkit.train.task import Task, build_task, is_task_spec
@@ -63,6 +64,7 @@ def has_checkpoints(out: Path) -> bool:
 @record
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
+    install_excepthook()
     argv = sys.argv[1:] if argv is None else argv
     path = Path(argv[0])
     try:

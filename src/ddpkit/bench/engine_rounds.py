@@ -1,8 +1,7 @@
-"""``ddpkit bench engine``: torch's DistributedDataParallel against ddpkit's native engine.
+"""The engines ``ddpkit bench engine`` compares, and the timed rounds every rank runs.
 
 Every rank holds one copy of the same GPT per engine; the engines take turns, a block of steps
-each, in rotating order, on the same data. Ratios are medians of per-round ratios, so load that
-drifts between rounds on a shared machine cancels out. Engines:
+each, in rotating order, on the same data. Engines:
 
   solo          rank 0 trains alone while the other ranks wait: the one-process baseline
   none          every rank trains its own copy without communication: the upper bound
@@ -16,24 +15,16 @@ drifts between rounds on a shared machine cancels out. Engines:
                 native@25mb is one bucket. Plain ``native`` picks its layout in its first steps
 
 A step's time is the slowest rank's (steps start at a barrier); CPU time counts all threads.
-Bytes and collectives per step come from torch.profiler's gloo events in one extra step; peak
-RSS from separate short runs, one per engine (a process's peak covers all it ever held).
-``--threads`` overrides ddpkit's one-share-of-the-cores per process: ``--threads 2`` with 2
-processes on 2 cores is what a tutorial script started with mp.spawn runs (torch's default).
-The arithmetic and the targets are in ``engine_summary``. ``--link RATE`` runs the engines on
-emulated hosts joined by links capped at RATE, one process per host (``engine_link``).
+Bytes and collectives per step come from torch.profiler's gloo events in one extra step. The
+loopback run (``engine_bench``) and the link run (``engine_link``) both measure with ``measure``.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import re
-import resource
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,11 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.bench.engine_summary import format_layouts, format_table, format_targets, summarize
-from ddpkit.dist import cpu_cores, destroy, init_distributed
-from ddpkit.errors import ConfigError, OneLineParser
-from ddpkit.launch import launch
-from ddpkit.launch.elastic import resolve_nproc
+from ddpkit.errors import ConfigError
 from ddpkit.models import GPT, GPTConfig
 from ddpkit.parallel import DataParallel
 from ddpkit.parallel.compression import parse_powersgd
@@ -58,8 +45,6 @@ DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
 # seeds 0-2; rank 1 +13.8%).
 LINK_ENGINES = "none,torch,native,native@1mib,native+bf16,native+powersgd:8"
 VOCAB = 128
-_FLAGS = ("blocks", "steps_per_block", "warmup", "batch", "seq", "n_layer", "n_embd", "n_head", "threads")
-_HELP = {"threads": "intra-op threads per process; default 0: cores // nproc, as ddpkit sets them"}
 _CAP = re.compile(r"native@([0-9.]+)mb")
 _POWERSGD = re.compile(r"native\+(powersgd(:[0-9]+){1,2})")  # native+powersgd:RANK[:START_ITER]
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
@@ -141,7 +126,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y:
     optimizer.step()
 
 
-def _setup(cfg: EngineBenchConfig, rank: int, names: tuple[str, ...]):
+def setup_engines(cfg: EngineBenchConfig, rank: int, names: tuple[str, ...]):
+    """This rank's GPT, each engine's copy of it and optimizer, and its batch:
+    ``(base, models, optimizers, x, y)``, models and optimizers keyed by engine name."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)  # before DataParallel, which warns if oversubscribed
     torch.manual_seed(0)
@@ -207,7 +194,7 @@ def _rounds(cfg: EngineBenchConfig, args: dict, rank: int) -> tuple[dict, dict]:
 def measure(cfg: EngineBenchConfig, rank: int, world_size: int, extra=None) -> dict:
     """The timed rounds on this rank, gathered from every rank; ``extra(base, x, y)`` adds a
     dict of this rank's own measurements (the link bench's probes) under "extra"."""
-    base, models, optims, x, y = _setup(cfg, rank, cfg.engines)
+    base, models, optims, x, y = setup_engines(cfg, rank, cfg.engines)
     args = {name: (name, models[name], optims[name], x, y) for name in cfg.engines}
     for name in cfg.engines:
         _run_block(*args[name], warmup_steps(cfg, name), rank)
@@ -222,77 +209,3 @@ def measure(cfg: EngineBenchConfig, rank: int, world_size: int, extra=None) -> d
     dist.all_gather_object(everyone, mine)
     params, threads = sum(p.numel() for p in base.parameters()), torch.get_num_threads()
     return {"ranks": everyone, "params": params, "threads": threads, "nproc": world_size}
-
-
-def _timed_rank(cfg: EngineBenchConfig) -> dict:
-    env = init_distributed("gloo")
-    try:
-        return measure(cfg, env.rank, env.world_size)
-    finally:
-        destroy()
-
-
-def _memory_rank(cfg: EngineBenchConfig, name: str) -> float:
-    env = init_distributed("gloo")
-    try:
-        _, models, optims, x, y = _setup(cfg, env.rank, (name,))
-        for _ in range(cfg.warmup + 2):
-            train_step(models[name], optims[name], x, y)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-    finally:
-        destroy()
-
-
-def parser() -> argparse.ArgumentParser:
-    """The ``ddpkit bench engine`` command line."""
-    p = OneLineParser(prog="ddpkit bench engine", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", default="2", help="processes (default 2)")
-    names = ", ".join(ENGINES)
-    patterns = "native@NMB, native+powersgd:RANK[:START_ITER]"
-    p.add_argument("--engines", help=f"comma-separated, from {names}, {patterns} (default {DEFAULT_ENGINES})")
-    for name in _FLAGS:
-        default = getattr(EngineBenchConfig(), name)
-        text = _HELP.get(name, f"default {default}")
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=text)
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
-    p.add_argument(
-        "--link",
-        help="run on --hosts emulated hosts whose links are capped at this rate "
-        "(tc's units: 300mbit, 1gbit; needs root); the engines default to " + LINK_ENGINES,
-    )
-    p.add_argument("--hosts", type=int, default=2, help="emulated hosts for --link, one process each")
-    p.add_argument("--json", type=Path, help="write the summary to this file")
-    return p
-
-
-def config_from_args(ns: argparse.Namespace) -> EngineBenchConfig:
-    """The benchmark configuration the parsed flags describe."""
-    default = LINK_ENGINES if getattr(ns, "link", None) else DEFAULT_ENGINES
-    engines = tuple(e.strip() for e in (ns.engines or default).split(",") if e.strip())
-    return EngineBenchConfig(engines=engines, **{name: getattr(ns, name) for name in _FLAGS})
-
-
-def main(argv: list[str]) -> int:
-    """``ddpkit bench engine``: prints the table (and writes --json); 0 on success."""
-    ns = parser().parse_args(argv)
-    cfg = config_from_args(ns)
-    if ns.link:
-        from ddpkit.bench import engine_link  # it builds on this module (measure), not the reverse
-
-        return engine_link.main(ns, cfg)
-    nproc = resolve_nproc(ns.nproc)
-    timed = launch(_timed_rank, nproc, (cfg,))[0]
-    memory = [] if ns.no_memory else [name for name in cfg.engines if name != "solo"]
-    rss = {name: launch(_memory_rank, nproc, (cfg, name)) for name in memory}
-    about = {"config": asdict(cfg), "cpu_cores": cpu_cores(), "torch": torch.__version__}
-    summary = summarize(timed, rss) | about
-    print(
-        f"# ddpkit bench engine: GPT {summary['params'] / 1e6:.1f}M params, {nproc} processes x "
-        f"{summary['threads_per_rank']} threads, {cfg.blocks} rounds x {cfg.steps_per_block} steps "
-        "per engine; /torch and scaling are medians of per-round ratios"
-    )
-    print("\n".join(filter(None, (format_table(summary), format_layouts(summary)))))
-    print(format_targets(summary["targets"]))
-    if ns.json:
-        ns.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return 0

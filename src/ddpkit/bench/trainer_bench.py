@@ -94,7 +94,7 @@ class TrainerLoop:
             except StopIteration:  # the loader moves to the next epoch by itself
                 self.batches = iter(self.trainer.loader)
                 batch = next(self.batches)
-            self.trainer._run_batch(batch)
+            self.trainer.fit_batch(batch)
             self.times.append(time.perf_counter() - start)
 
     def close(self) -> None:
