@@ -40,13 +40,20 @@ def check_replicas_agree(module: nn.Module, env: DistEnv, when: str, buffers: bo
             buffers at the start of each forward, so running statistics legitimately differ until then.
     """
     names, local = fingerprint(module, buffers)
+    local = local.to(env.collective_device)
     gathered = [torch.empty_like(local) for _ in range(env.world_size)]
-    dist.all_gather(gathered, local.to(env.collective_device))
-    reference = gathered[0].cpu()
-    bad = [rank for rank, fp in enumerate(gathered) if not torch.equal(fp.cpu(), reference)]
+    dist.all_gather(gathered, local)
+    check_rows(gathered, names, when)
+
+
+def check_rows(rows: list[torch.Tensor], names: list[str], when: str) -> None:
+    """Raise if any rank's fingerprint (``rows[rank]``, gathered) differs from rank 0's, naming the
+    ranks and the first tensor that differs. Every rank holds the same rows, so all raise alike."""
+    table = torch.stack(rows).cpu()  # (world_size, 2 * tensors)
+    bad = [rank for rank in range(len(rows)) if not torch.equal(table[rank], table[0])]
     if not bad:
         return
-    first = int((gathered[bad[0]].cpu() != reference).nonzero()[0]) // 2
+    first = int((table[bad[0]] != table[0]).nonzero()[0]) // 2
     raise RuntimeError(
         f"replicas differ {when}: ranks {bad} disagree with rank 0, first at {names[first]!r}; "
         "every rank must load the same checkpoint and run the same code"

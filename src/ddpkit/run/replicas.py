@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.diagnostics.fingerprint import fingerprint
+from ddpkit.diagnostics.fingerprint import check_rows, fingerprint
 from ddpkit.dist import DistEnv
 from ddpkit.run.engine import unwrap
 
@@ -41,12 +41,4 @@ class ReplicaCheck:
         pending, self.pending = self.pending, []
         for name, names, rows, work in pending:
             work.wait()
-            table = torch.stack(rows).cpu()  # (world_size, 2 * tensors)
-            bad = [rank for rank in range(len(rows)) if not torch.equal(table[rank], table[0])]
-            if bad:
-                first = int((table[bad[0]] != table[0]).nonzero()[0]) // 2
-                raise RuntimeError(
-                    f"replicas differ at step {self.step} ({name}): ranks {bad} disagree with rank 0, "
-                    f"first at {names[first]!r}; every rank must load the same checkpoint and run the "
-                    "same code"
-                )
+            check_rows(rows, names, f"at step {self.step} ({name})")
