@@ -250,3 +250,12 @@ def check_split(global_batch: int, world_size: int) -> None:
         f"global_batch={global_batch} cannot be split evenly across {world_size} processes; "
         f"use a global batch that is a multiple of {world_size}, or a world size in {works}"
     )
+
+
+def check_same_global_batch(saved: int, current: int) -> None:
+    """A position saved with another global batch means other steps: refused in one line."""
+    if saved != current:
+        raise ConfigError(
+            f"the checkpoint was made with global_batch={saved}, this run has {current}; "
+            "resume with the same global batch, or start another out"
+        )

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.data.sampler import GlobalBatchSampler
-from ddpkit.errors import ConfigError
+from ddpkit.run.config import check_same_global_batch
 from ddpkit.run.micro import Micro
 from ddpkit.run.seeding import SeededFetch
 
@@ -130,9 +130,5 @@ class MapSource:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; refuses one saved with another global batch."""
-        if state["global_batch"] != self.sampler.global_batch:
-            raise ConfigError(
-                f"the checkpoint was made with global_batch={state['global_batch']}, this run has "
-                f"{self.sampler.global_batch}; resume with the same global batch, or start another out"
-            )
+        check_same_global_batch(state["global_batch"], self.sampler.global_batch)
         self.sampler.load_state_dict({k: v for k, v in state.items() if k != "global_batch"})

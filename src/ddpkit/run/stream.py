@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+from ddpkit.run.config import check_same_global_batch
 from ddpkit.run.micro import Micro
 
 log = logging.getLogger(__name__)
@@ -209,11 +210,7 @@ class StreamSource:
                 "(ddpkit.data.Shards resumes on any)"
             )
         state = everyone[self.env.rank]
-        if state["global_batch"] != self.global_batch:
-            raise ConfigError(
-                f"the checkpoint was made with global_batch={state['global_batch']}, this run has "
-                f"{self.global_batch}; resume with the same global batch, or start another out"
-            )
+        check_same_global_batch(state["global_batch"], self.global_batch)
         self.epoch, self.steps_in_epoch = state["epoch"], state["steps"]
         if self.stateful:
             self._pending = state["stream"]
