@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,3 +96,15 @@ def leaves_nothing_behind():
             os.environ[k] = environ[k]
     assert not changed, f"test changed environment variables: {sorted(changed)}"
     assert not (dist.is_available() and dist.is_initialized()), "test left a process group initialized"
+
+
+@pytest.fixture
+def short_tmpdir(monkeypatch):
+    """TMPDIR set to a new short folder (removed afterwards) for a launcher whose workers start
+    DataLoader workers: multiprocessing puts its socket (pymp-*/listener-*) under TMPDIR, and
+    AF_UNIX takes 107 bytes at most, which a tmp_path under a long base (a CI folder) overruns:
+    the workers then hang passing their first batch."""
+    path = Path(tempfile.mkdtemp(prefix="dk", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -84,9 +84,13 @@ def _ddpkit(args: list[str], after: dict | None) -> list[str]:
     return primed_ddpkit(after["addr"], PORT, STARTUP, *args)
 
 
-def _node(host: dict, out, flags: str, run: str = RUN, after: dict | None = None) -> subprocess.Popen:
-    """`ddpkit train` inside a namespace; gloo is told which interface is the network."""
-    train = _ddpkit(["train", *run.split(), "--out", str(out), *flags.split()], after)
+def _node(
+    host: dict, out, flags: str, run: str | list[str] = RUN, after: dict | None = None
+) -> subprocess.Popen:
+    """`ddpkit train` inside a namespace; gloo is told which interface is the network. ``run`` as a
+    list keeps a path with a space whole."""
+    run = run.split() if isinstance(run, str) else run
+    train = _ddpkit(["train", *run, "--out", str(out), *flags.split()], after)
     env = {**os.environ, **ONE_THREAD, "GLOO_SOCKET_IFNAME": host["iface"]}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(["ip", "netns", "exec", host["ns"], *train], env=env, **pipes)
@@ -149,9 +153,10 @@ TASK = Path(__file__).parents[2] / "examples" / "task_mlp.py"
 def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path):
     """Each node loads the user's task file itself; the ranks check they run the same job."""
     a, b = machines
-    task = f"{TASK} --global-batch 32 --steps 8 --eval-every 4 --log-every 1 --seed 5"
+    # A list, not a string split at spaces: the checkout's path may hold one.
+    task = [str(TASK), *"--global-batch 32 --steps 8 --eval-every 4 --log-every 1 --seed 5".split()]
     reference = tmp_path / "one_machine"
-    cmd = [sys.executable, "-m", "ddpkit", "train", *task.split(), "--nproc", "2", "--out", str(reference)]
+    cmd = [sys.executable, "-m", "ddpkit", "train", *task, "--nproc", "2", "--out", str(reference)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **ONE_THREAD})
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "two_nodes"

@@ -42,8 +42,7 @@ def _kill_all(proc: subprocess.Popen, pids: set[int]) -> None:
     proc.communicate()
 
 
-def test_ranks_and_their_dataloader_workers_die_with_a_launcher_killed_mid_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launcher's run directory lands here
+def test_ranks_and_their_dataloader_workers_die_with_a_launcher_killed_mid_run(tmp_path, short_tmpdir):
     script, ready = tmp_path / "forever.py", tmp_path / "ready"
     script.write_text(FOREVER_SCRIPT)
     launcher = ddpkit_run("--nproc", "2", str(script), str(ready))
@@ -81,8 +80,7 @@ def cmd_marker(cmd: list[str]) -> str:
     return "ddpkit.train.worker" if "train" in cmd else cmd[-2]
 
 
-def test_workers_die_with_a_launcher_killed_while_they_start(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def test_workers_die_with_a_launcher_killed_while_they_start(tmp_path, short_tmpdir):
     script = tmp_path / "forever.py"
     script.write_text(FOREVER_SCRIPT)
     run = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), str(tmp_path / "ready")]

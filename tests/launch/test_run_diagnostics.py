@@ -40,7 +40,7 @@ def _finish(proc: subprocess.Popen, limit: float = 120) -> tuple[int, str]:
 def _report(err: str) -> tuple[str, Path]:
     """The launcher's last line, and the report file it names."""
     last = err.strip().splitlines()[-1]
-    found = re.search(r"is in (\S+)$", last)
+    found = re.search(r"is in (.+)$", last)  # the path may hold a space
     assert found, err[-3000:]
     return last, Path(found.group(1))
 
@@ -124,7 +124,7 @@ def test_a_failure_names_the_rank_and_shows_where_the_others_were(tmp_path):
     assert code == 1
     head = err[err.rindex("ddpkit: rank 1 failed (exit code 1)") :]
     assert "RuntimeError: rank one gives up" in head and 'raise RuntimeError("rank one gives up")' in head
-    report = Path(re.search(r"where the other ranks were: (\S+)", head).group(1))
+    report = Path(re.search(r"where the other ranks were: (.+)$", head, re.M).group(1))
     text = report.read_text()
     assert "stacks of rank 0" in text and "in waiting_for_the_others" in text and "rank 1" not in text
 

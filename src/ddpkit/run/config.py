@@ -158,10 +158,14 @@ class OptimConfig:
         grad_clip: clip each optimizer's gradient norm to this; 0 disables clipping.
         on_nonfinite: a non-finite gradient norm ``stop``s the run on every rank, or ``skip``s
             that optimizer step (its gradients are dropped).
+        allow_unstepped: a step whose loop ran a backward but stepped no tracked optimizer is
+            an error by default (a loop's own gradient accumulation, which a checkpoint would cut
+            in half: set micro_batch instead); True for a loop that skips steps on purpose.
     """
 
     grad_clip: float = 0.0
     on_nonfinite: str = "stop"
+    allow_unstepped: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.grad_clip < float("inf"):

@@ -68,8 +68,8 @@ class StepCycle:
         self.epoch = 0  # the epoch of the last step begun
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
-        self.open = self.save_now = self.started = self.closed = False
-        self.unsettled = False  # a closed step whose boundary has not run yet
+        self.open = self.save_now = self.started = self.closed = self.unsettled = False  # unsettled:
+        # a closed step whose boundary (log, check, checkpoint) has not run yet
         # Between steps: before the loop's first and after each epoch's last. Every rank is there at
         # the same points, so run.log values from there are gathered for a line of their own.
         self.outside = True
@@ -135,7 +135,7 @@ class StepCycle:
             self.outside = False
         self.epoch, self.source, self.step = source.epoch, source, self.step + 1
         self.open, self.indices = True, []
-        self.gate.has_backward, self.gate.step = False, self.step
+        self.gate.has_backward, self.gate.stepped, self.gate.step = False, False, self.step
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
         return True
 
@@ -182,6 +182,7 @@ class StepCycle:
 
     def close_step(self) -> None:
         """The open step's last micro-batch is done: its position moves on, its boundary waits."""
+        self.gate.check_stepped(self.step)
         self.held.restore()  # a loop left mid-step: the gradients are the user's again
         self.gate.scaler.update()
         self.source.advance_to(self.micro.consumed)

@@ -41,6 +41,7 @@ class OptimizerGate:
     def __init__(self, cfg: OptimConfig, scaler: torch.amp.GradScaler) -> None:
         self.cfg, self.scaler = cfg, scaler
         self.accumulating = self.has_backward = False
+        self.stepped = False  # a tracked optimizer stepped in the open step
         self.step = 0  # the run's step, for messages
         self.skipped_steps = 0
         self.last_lr: float | None = None  # the first optimizer's rate at its last real step
@@ -53,8 +54,21 @@ class OptimizerGate:
         if self.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
             self.lr_optimizer = obj
 
+    def check_stepped(self, step: int) -> None:
+        """At a step's end: a backward without any tracked optimizer's step is a loop's own
+        accumulation, refused at its first step unless ``allow_unstepped``."""
+        if self.has_backward and not self.stepped and self.lr_optimizer is not None:
+            if not self.cfg.allow_unstepped:
+                raise ConfigError(
+                    f"step {step} ended without optimizer.step(): ddpkit.Run accumulates a step's "
+                    "micro-batches itself; delete the loop's own accumulation (loss / k, a step every k "
+                    "batches) and set global_batch= (samples per step) and micro_batch= (per backward), "
+                    "or pass allow_unstepped=True if the loop skips steps on purpose"
+                )
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable, closure: Any) -> Any:
         """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
+        self.stepped = True
         if self.last_lr is None or optimizer is self.lr_optimizer:
             self.last_lr = optimizer.param_groups[0]["lr"]
         if self.scaler.is_enabled():
