@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import ddpkit
+from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
 from ddpkit.run.map_source import EpochIndices
 from ddpkit.run.seeding import SeededFetch
 
@@ -179,3 +180,28 @@ def test_a_loops_own_gradient_accumulation_is_one_line_at_its_first_step():
     with pytest.raises(ddpkit.ConfigError, match=r"^step 1 ended without optimizer.step\(\).*micro_batch="):
         _manual_accumulation()
     assert _manual_accumulation(allow_unstepped=True) == 4  # said to be deliberate: it runs
+
+
+def test_weighted_sampling_draws_by_weight_from_seed_and_epoch_alone():
+    # WeightedRandomSampler is refused (it would replace the global-batch sampler); weights= is its
+    # replacement: each epoch's draw depends on (seed, epoch) alone, so every world size sees the
+    # same global batches, and a resumed run continues the same draw.
+    weights = torch.tensor([0.0, 1.0, 0.0, 3.0] * 4)
+    drawn = {}
+    for world in (1, 2, 3):
+        samplers = [
+            GlobalBatchSampler(16, 6, r, world, seed=7, order=weighted_order(weights, 16))
+            for r in range(world)
+        ]
+        drawn[world] = [samplers[0].next_global_batch() for _ in range(3)]  # 6 + 6 + 4
+        shares = [sorted(i for s in samplers for i in s.rank_slice(batch)) for batch in drawn[world]]
+        assert shares == [sorted(batch) for batch in drawn[world]]  # the ranks split each batch
+    assert drawn[1] == drawn[2] == drawn[3]
+    counts = torch.bincount(torch.tensor(sum(drawn[1], [])), minlength=16)
+    assert counts[weights == 0].sum() == 0  # a zero weight is never drawn
+    run = ddpkit.Run(global_batch=4, progress=False)
+    with pytest.raises(ddpkit.ConfigError, match=r"weights=sampler.weights"):
+        run.loader(DataLoader(_data(), batch_size=4, sampler=WeightedRandomSampler(weights, 16)))
+    loader = run.loader(_data(), weights=weights)
+    assert len(loader) == 4
+    run.finish()

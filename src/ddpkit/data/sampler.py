@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -148,3 +149,22 @@ class GlobalBatchSampler:
                 )
         self.state = SamplerState(epoch=state["epoch"], consumed=state["consumed"])
         self._order = None
+
+
+def weighted_order(weights: Any, num_samples: int) -> Callable[[int, int], torch.Tensor]:
+    """An epoch order that draws ``num_samples`` indices with replacement, index i with probability
+    ``weights[i] / sum(weights)``, from (seed, epoch) alone: what torch's WeightedRandomSampler
+    draws, but the same global batches on any world size and after a resume (``order=`` above)."""
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if len(w) != num_samples:
+        raise ConfigError(
+            f"weights has {len(w)} values for {num_samples} samples; give one weight per sample"
+        )
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or not float(w.sum()) > 0:
+        raise ConfigError("weights must be finite, non-negative and not all 0")
+
+    def order(seed: int, epoch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        return torch.multinomial(w, num_samples, replacement=True, generator=gen)
+
+    return order

@@ -20,9 +20,10 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    WeightedRandomSampler,
 )
 
-from ddpkit.data.sampler import GlobalBatchSampler
+from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import DataConfig, check_split
@@ -83,12 +84,16 @@ def make_source(
     data: Dataset | DataLoader, kwargs: dict, cfg: DataConfig, env: DistEnv, seed: int, phase: Callable
 ) -> MapSource | StreamSource:
     """The source of ``run.loader(data, **kwargs)``: a stream's, or a map-style dataset's over the
-    run's global-batch sampler; ``phase`` tells the hang watchdog of a stream's agreement."""
+    run's global-batch sampler (drawn by ``weights=`` when given); ``phase`` tells the hang
+    watchdog of a stream's agreement."""
+    weights = kwargs.pop("weights", None)
     dataset, global_batch, kwargs, shuffle = loader_parts(data, cfg, env.device, kwargs)
     if is_stream(dataset):
+        if weights is not None:
+            raise ConfigError("run.loader(weights=...) needs a map-style dataset; a stream has no indices")
         check_split(global_batch, env.world_size)
         return StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs, phase)
-    sampler = make_sampler(dataset, global_batch, env, cfg, seed, shuffle)
+    sampler = make_sampler(dataset, global_batch, env, cfg, seed, shuffle, weights)
     return MapSource(dataset, sampler, cfg.micro_batch, kwargs)
 
 
@@ -150,6 +155,11 @@ def loader_parts(
 
 
 def _check_own_sampler(loader: DataLoader) -> None:
+    if isinstance(loader.sampler, WeightedRandomSampler):
+        raise ConfigError(
+            "run.loader replaces the DataLoader's WeightedRandomSampler with ddpkit's global-batch sampler; "
+            "pass the weights instead: run.loader(dataset, weights=sampler.weights), drawn from (seed, epoch)"
+        )
     sampler_ok = isinstance(loader.sampler, RandomSampler | SequentialSampler)
     if not sampler_ok or not isinstance(loader.batch_sampler, BatchSampler | None):
         raise ConfigError(
@@ -159,10 +169,19 @@ def _check_own_sampler(loader: DataLoader) -> None:
 
 
 def make_sampler(
-    dataset: Dataset, global_batch: int, env: DistEnv, cfg: DataConfig, seed: int, shuffle: bool
+    dataset: Dataset,
+    global_batch: int,
+    env: DistEnv,
+    cfg: DataConfig,
+    seed: int,
+    shuffle: bool,
+    weights: Any = None,
 ) -> GlobalBatchSampler:
     """The run's GlobalBatchSampler, after checking that the global batch splits over the ranks."""
     check_split(global_batch, env.world_size)
+    order = getattr(dataset, "epoch_order", None)  # ddpkit.data.Shards: shard by shard
+    if weights is not None:
+        order = weighted_order(weights, len(dataset))
     return GlobalBatchSampler(
         len(dataset),
         global_batch,
@@ -171,7 +190,7 @@ def make_sampler(
         seed=seed,
         shuffle=shuffle,
         drop_last=cfg.drop_last,
-        order=getattr(dataset, "epoch_order", None),  # ddpkit.data.Shards: shard by shard
+        order=order,
     )
 
 

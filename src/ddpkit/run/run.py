@@ -170,7 +170,8 @@ class Run:
                 ``ddpkit.run.stream``), or a DataLoader over either, whose dataset, batch_size (as
                 the global batch when the run sets none), collate_fn and worker settings are taken over.
             **dataloader_kwargs: num_workers, collate_fn, pin_memory, persistent_workers,
-                prefetch_factor, worker_init_fn, multiprocessing_context, as for torch's DataLoader.
+                prefetch_factor, worker_init_fn, multiprocessing_context, as for torch's DataLoader;
+                weights: one per sample, drawn with replacement from (seed, epoch) instead of a shuffle.
         """
         if self.train_loader is not None:
             raise ConfigError(
