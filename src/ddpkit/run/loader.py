@@ -50,6 +50,21 @@ class Loader:
         return self.source.epoch
 
     @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.source.global_batch
+
+    @property
+    def dataloader(self) -> DataLoader:
+        """The torch DataLoader behind it (its workers, pinning and collate_fn are the user's)."""
+        return self.source.dataloader
+
+    @property
+    def sampler(self) -> GlobalBatchSampler:
+        """A map-style dataset's GlobalBatchSampler (a stream has none)."""
+        return self.source.sampler
+
+    @property
     def steps_per_epoch(self) -> int | None:
         """Optimizer steps in one epoch (None for a stream, whose passes have no known length)."""
         return self.source.steps_per_epoch

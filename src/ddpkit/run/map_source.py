@@ -98,6 +98,10 @@ class MapSource:
         return self.sampler.state.epoch
 
     @property
+    def global_batch(self) -> int:
+        return self.sampler.global_batch
+
+    @property
     def steps_per_epoch(self) -> int:
         """Global batches in one epoch, the last partial one included unless drop_last."""
         return self.sampler.steps_per_epoch

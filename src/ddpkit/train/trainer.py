@@ -114,7 +114,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Mean loss over the whole held-out split, each sample once; logged with the step."""
-        share = self.run.data_cfg.micro_batch or self.loader.sampler.global_batch // self.run.env.world_size
+        share = self.run.data_cfg.micro_batch or self.loader.global_batch // self.run.env.world_size
         extra = {"collate_fn": self.task.collate_fn} if self.task.collate_fn is not None else {}
         result = self.run.evaluate(self.task.eval_dataset, self.loss, batch_size=share, **extra)
         self.run.log(eval_loss=result["value"], eval_samples=result["samples"])
