@@ -2,18 +2,17 @@
 
 Every source of micro-batches (``map_source.MapSource``, ``stream.StreamSource``) is driven by
 ``StepCycle.drive``; the user's calls (``run.backward``, ``run.save``, the gated optimizers)
-reach the same object. At a step's first micro-batch the previous step is closed: the source is
-advanced to what that step consumed, the metrics line is written when due, replicas are
-fingerprinted when due, a checkpoint is written when due, and the ranks agree on a preemption.
-Every one of those collectives happens at the same boundary on every rank. Between
-micro-batches the cycle tells the engines whether the next backward synchronizes (only a step's
-last does) and the gated optimizers whether to step.
+reach the same object. A step closes after its last micro-batch (its position, timing); its
+boundary (log line, replica check, checkpoint, preemption agreement: collectives at the same
+point on every rank) runs when the next step opens or the run finishes, so an epoch's
+checkpoint holds what the loop did after the epoch. Between micro-batches the cycle tells the
+engines whether the next backward synchronizes (only a step's last does).
 
 States of one process's run (``step`` counts optimizer steps begun)::
 
     registered --first batch (start): restore the checkpoint, open the bar--> started
-    started --a step's first micro-batch (begin): close the previous step, open the next--> in a step
-    in a step --the source's pass ends (end of drive)--> between steps (``outside``)
+    started --a step's first micro-batch (begin): the last step's boundary, open the next--> in a step
+    in a step --the source's pass ends: close the step--> between steps (``outside``, unsettled)
     any --finish_run()/close()--> closed
 """
 
@@ -45,8 +44,8 @@ log = logging.getLogger(__name__)
 
 
 class StepCycle:
-    """One rank's position in the run (step, epoch, micro-batch, inside or between steps) and
-    everything that happens at its boundaries.
+    """One rank's position in the run (step, epoch, micro-batch, in or between steps) and what
+    happens at its boundaries.
 
     Args:
         session: the process group, OUT's lock and the checkpoint to restore.
@@ -68,10 +67,10 @@ class StepCycle:
         self.epoch = 0  # the epoch of the last step begun
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
-        self.open = self.save_now = self.started = self.closed = self.unsettled = False  # unsettled:
-        # a closed step whose boundary (log, check, checkpoint) has not run yet
-        # Between steps: before the loop's first and after each epoch's last. Every rank is there at
-        # the same points, so run.log values from there are gathered for a line of their own.
+        # unsettled: a closed step whose boundary (log, check, checkpoint) has not run yet.
+        self.open = self.save_now = self.started = self.closed = self.unsettled = False
+        # Between steps (before the loop's first and after each epoch's last) every rank is at the
+        # same point, so run.log values from there are gathered for a line of their own.
         self.outside = True
         self.held = HeldGrads(models)
         self.indices: list[int] = []
