@@ -5,6 +5,7 @@ user's own model attributes."""
 from __future__ import annotations
 
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -205,3 +206,17 @@ def test_weighted_sampling_draws_by_weight_from_seed_and_epoch_alone():
     loader = run.loader(_data(), weights=weights)
     assert len(loader) == 4
     run.finish()
+
+
+def test_the_same_command_on_a_finished_run_does_nothing_and_says_so(tmp_path, capsys, monkeypatch):
+    # It once resumed from the final checkpoint, trained on and overwrote model.pt, exit 0.
+    first = _train(tmp_path / "run")
+    model = tmp_path / "run" / "model.pt"
+    written = model.read_bytes()
+    with pytest.raises(SystemExit) as done:
+        _train(tmp_path / "run")
+    assert done.value.code == 0
+    assert "holds this command's finished run (step 16); nothing to do" in capsys.readouterr().out
+    assert model.read_bytes() == written and first["loop"]["validations"] == 4
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--epochs", "5"])  # another command trains on
+    assert _train(tmp_path / "run", epochs=5)["loop"]["validations"] == 5

@@ -8,7 +8,9 @@ atomically with a sha256 manifest (``checkpoint/store.py``); every rank loads th
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +135,32 @@ def restore(objects: dict[str, Any], saved: dict, rank: int) -> None:
     restore_rng(rng[rank % len(rng)])
 
 
-def save(directory: Path, step: int, objects: dict[str, Any], env: DistEnv, keep_last: int) -> Path | None:
+def command(steps: int | None) -> dict:
+    """What makes a command the same one again: the script's arguments, its text (an edited
+    ``EPOCHS = 20`` is another command) and the step limit."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    text = hashlib.sha256(script.read_bytes()).hexdigest() if script is not None and script.is_file() else ""
+    return {"argv": list(sys.argv), "script": text, "steps": steps}
+
+
+def finished_here(saved: dict | None, steps: int | None) -> bool:
+    """True when ``saved`` is the final checkpoint of this very command: nothing is left to do."""
+    return saved is not None and saved.get("finished") == command(steps)
+
+
+def save(
+    directory: Path,
+    step: int,
+    objects: dict[str, Any],
+    env: DistEnv,
+    cfg: CheckpointConfig,
+    finished: dict | None,
+) -> Path | None:
     """Checkpoint every registered object at ``step``. Collective: every rank calls it, rank 0 writes.
 
     An object whose state differs by rank (``per_rank_state``: a stream's position) is saved as the
-    list of every rank's ``state_dict()``, gathered with the generators' states."""
+    list of every rank's ``state_dict()``, gathered with the generators' states. ``finished``
+    marks the final checkpoint with the command that finished it (``command``)."""
     own = {name: obj.state_dict() for name, obj in objects.items() if getattr(obj, "per_rank_state", False)}
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, {"rng": capture_rng(), "own": own})
@@ -150,5 +173,6 @@ def save(directory: Path, step: int, objects: dict[str, Any], env: DistEnv, keep
         "world_size": env.world_size,
         "rng": [mine["rng"] for mine in everyone],
         "state": parts,
+        "finished": finished,
     }
-    return save_checkpoint(directory, step, state, keep_last=keep_last)
+    return save_checkpoint(directory, step, state, keep_last=cfg.keep_last)

@@ -68,7 +68,7 @@ class StepCycle:
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
         # unsettled: a closed step whose boundary (log, check, checkpoint) has not run yet.
-        self.open = self.save_now = self.started = self.closed = self.unsettled = False
+        self.open = self.save_now = self.started = self.closed = self.unsettled = self.final = False
         # Between steps (before the loop's first and after each epoch's last) every rank is at the
         # same point, so run.log values from there are gathered for a line of their own.
         self.outside = True
@@ -216,14 +216,14 @@ class StepCycle:
             self.replicas.finish()
         every = self.ckpt_cfg.save_every
         due = self.save_now or (every > 0 and (self.step % every == 0 or last))
-        save = due and self.saved_step != self.step
+        save = due and (self.saved_step != self.step or (last and not self.final))
         check_every = self.monitor.check_every
         if check_every and ended and (self.step % check_every == 0 or last):
             self.replicas.start(self.step)
             if last or save:  # nothing follows to finish it; a checkpoint holds checked replicas only
                 self.replicas.finish()
         if save:
-            self.checkpoint()
+            self.checkpoint(final=last)
         if not ended or last:
             return
         if not number and self.monitor.logged_step != self.step:  # else it rides on this step's gather
@@ -242,25 +242,25 @@ class StepCycle:
             self.preemption.pace(record["step_s"], self.monitor.every)
 
     def _extra(self) -> dict:
-        extra = {
-            "epoch": self.source.epoch if self.source is not None else 0,
-            "skipped_steps": self.gate.skipped_steps,
-        }
+        extra = {"epoch": self.source.epoch if self.source is not None else 0}
         # The rate the step ran at: a scheduler stepped after the optimizer has set the next one.
-        return extra | ({"lr": self.gate.last_lr} if self.gate.last_lr is not None else {})
+        lr = {"lr": self.gate.last_lr} if self.gate.last_lr is not None else {}
+        return extra | {"skipped_steps": self.gate.skipped_steps} | lr
 
-    def checkpoint(self) -> None:
-        """Write every registered object's state at this step. Collective."""
+    def checkpoint(self, final: bool = False) -> None:
+        """Write every registered object's state at this step (``final``: marked as the command's
+        finished run, which the same command then leaves alone). Collective."""
         if self.out is None:
             raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
-        self.save_now, self.saved_step = False, self.step
+        self.save_now, self.saved_step, self.final = False, self.step, final
         # The step's log lines first: a run killed after this checkpoint resumes after them.
         self.monitor.flush()
         if self.outside:
             self.flush_between()
         self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
+        finished = checkpoints.command(self.steps) if final else None
         path = checkpoints.save(
-            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg.keep_last
+            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg, finished
         )
         if path is not None:
             log.info("saved %s", path)

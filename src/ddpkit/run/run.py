@@ -105,7 +105,7 @@ class Run:
             self.objects["grad_scaler"] = scaler
         self.gate = OptimizerGate(self.optim_cfg, scaler)
         try:
-            self.session.open(self.out, self.ckpt_cfg)
+            self.session.open(self.out, self.ckpt_cfg, steps)
             configs = (self.cfg, self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg)
             params = {k: v for cfg in configs for k, v in dataclasses.asdict(cfg).items()}  # for trackers
             self.monitor = Monitor(self.env, self.diag_cfg, self.out, params)

@@ -42,12 +42,24 @@ class Session:
         set_collective_timeout(timedelta(seconds=after))
         return env
 
-    def open(self, out: Path | None, cfg: CheckpointConfig) -> None:
+    def open(self, out: Path | None, cfg: CheckpointConfig, steps: int | None) -> None:
         """Take OUT's lock (rank 0) and decide, on every rank alike, whether and from where the run
-        continues; the chosen checkpoint is loaded. Collective."""
+        continues; the chosen checkpoint is loaded. Collective.
+
+        The same command again on a run it finished has nothing to do: it says so in one line and
+        the process exits with 0 (``SystemExit``) before anything is written; OUT/model.pt stands."""
         self.lock = OutLock(out) if out is not None and self.env.is_rank0 else None
         self.resume_path = checkpoints.resume_point(out, cfg, self.env, self.lock)
         self.saved = checkpoints.load(self.resume_path, self.env.device) if self.resume_path else None
+        if checkpoints.finished_here(self.saved, steps):
+            if self.env.is_rank0:
+                print(
+                    f"ddpkit: {out} holds this command's finished run (step {self.saved['step']}); nothing "
+                    "to do. To train on, change the command (more epochs, steps=), or use another out",
+                    flush=True,
+                )
+            self.leave()
+            raise SystemExit(0)
 
     def saved_state(self, name: str) -> object | None:
         """The part ``name`` of the checkpoint the run continues from, before the loop restores it."""
@@ -60,7 +72,9 @@ class Session:
 
     def leave(self) -> None:
         """Release OUT's lock and leave the process group the run created."""
-        if self.lock is not None:
-            self.lock.release()
+        lock, self.lock = self.lock, None  # leaving twice (an error while leaving) does nothing
+        if lock is not None:
+            lock.release()
         if self.owns_group:
+            self.owns_group = False
             destroy()
