@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import ddpkit
 from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
+from ddpkit.run import checkpoints
 from ddpkit.run.map_source import EpochIndices
 from ddpkit.run.seeding import SeededFetch
 
@@ -213,6 +214,7 @@ def test_the_same_command_on_a_finished_run_does_nothing_and_says_so(tmp_path, c
     first = _train(tmp_path / "run")
     model = tmp_path / "run" / "model.pt"
     written = model.read_bytes()
+    monkeypatch.setattr(checkpoints, "this_process", lambda: -1)  # the same command in another process
     with pytest.raises(SystemExit) as done:
         _train(tmp_path / "run")
     assert done.value.code == 0

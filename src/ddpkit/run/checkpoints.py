@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,15 +138,27 @@ def restore(objects: dict[str, Any], saved: dict, rank: int) -> None:
 
 def command(steps: int | None) -> dict:
     """What makes a command the same one again: the script's arguments, its text (an edited
-    ``EPOCHS = 20`` is another command) and the step limit."""
+    ``EPOCHS = 20`` is another command) and the step limit; and the process that finished it."""
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     text = hashlib.sha256(script.read_bytes()).hexdigest() if script is not None and script.is_file() else ""
-    return {"argv": list(sys.argv), "script": text, "steps": steps}
+    return {"argv": list(sys.argv), "script": text, "steps": steps, "pid": this_process()}
 
 
-def finished_here(saved: dict | None, steps: int | None) -> bool:
-    """True when ``saved`` is the final checkpoint of this very command: nothing is left to do."""
-    return saved is not None and saved.get("finished") == command(steps)
+def this_process() -> int:
+    """The process id a final checkpoint records (a test stands in another process here)."""
+    return os.getpid()
+
+
+def finished_here(saved: dict | None, steps: int | None, env: DistEnv) -> bool:
+    """True on every rank when ``saved`` is the final checkpoint of this very command, run again
+    (a new process; one that finished it and makes another Run continues). Collective."""
+    done = [False]
+    if env.is_rank0 and saved is not None and saved.get("finished") is not None:
+        now, then = command(steps), dict(saved["finished"])
+        done = [then.pop("pid") != now.pop("pid") and then == now]
+    if env.world_size > 1:
+        dist.broadcast_object_list(done, src=0)
+    return done[0]
 
 
 def save(

@@ -51,7 +51,7 @@ class Session:
         self.lock = OutLock(out) if out is not None and self.env.is_rank0 else None
         self.resume_path = checkpoints.resume_point(out, cfg, self.env, self.lock)
         self.saved = checkpoints.load(self.resume_path, self.env.device) if self.resume_path else None
-        if checkpoints.finished_here(self.saved, steps):
+        if checkpoints.finished_here(self.saved, steps, self.env):
             if self.env.is_rank0:
                 print(
                     f"ddpkit: {out} holds this command's finished run (step {self.saved['step']}); nothing "
