@@ -222,3 +222,33 @@ def test_the_same_command_on_a_finished_run_does_nothing_and_says_so(tmp_path, c
     assert model.read_bytes() == written and first["loop"]["validations"] == 4
     monkeypatch.setattr(sys, "argv", [*sys.argv, "--epochs", "5"])  # another command trains on
     assert _train(tmp_path / "run", epochs=5)["loop"]["validations"] == 5
+
+
+@pytest.mark.parametrize("engine", ["torch", "native"])
+@pytest.mark.parametrize("when", ["unfreeze after an epoch", "freeze after setup"])
+def test_changing_what_is_trainable_after_setup_is_one_line_at_that_step(engine, when):
+    # Frozen before run.setup and unfrozen at epoch 1 (the fine-tuning recipe), torch's DDP never
+    # synced the backbone: the replicas drifted silently until the step-100 replica check.
+    run = ddpkit.Run(global_batch=4, engine=engine, progress=False, find_unused_parameters=True)
+    net = Net()
+    net.backbone.requires_grad_(when != "unfreeze after an epoch")
+    model = run.setup(net)
+    if when == "freeze after setup":
+        net.backbone.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    loader = run.loader(_data())
+    expected = "became trainable" if when == "unfreeze after an epoch" else "was frozen"
+    try:
+        with pytest.raises(
+            ddpkit.ConfigError, match=rf"^step (5|1): 'backbone.weight' of 'model' {expected}"
+        ):
+            for epoch in range(2):
+                if epoch == 1:
+                    net.backbone.requires_grad_(True)
+                for x, y in loader:
+                    optimizer.zero_grad()
+                    run.backward(F.mse_loss(model(x), y))
+                    optimizer.step()
+    finally:
+        run.close()

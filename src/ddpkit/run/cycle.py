@@ -19,7 +19,6 @@ States of one process's run (``step`` counts optimizer steps begun)::
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +30,12 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.engine import set_grad_sync
+from ddpkit.run.engine import TrainableCheck, set_grad_sync
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.micro import Micro, to_device
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
-from ddpkit.run.preempt import Preemption
+from ddpkit.run.preempt import Preemption, exit_preempted
 from ddpkit.run.replicas import ReplicaCheck
 from ddpkit.run.session import Session
 
@@ -76,6 +75,7 @@ class StepCycle:
         self.indices: list[int] = []
         self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
         self.replicas = ReplicaCheck(self.env, monitor.phase, models)
+        self.trainable = TrainableCheck(models)
 
     @property
     def at_step_end(self) -> bool:
@@ -135,6 +135,7 @@ class StepCycle:
         self.epoch, self.source, self.step = source.epoch, source, self.step + 1
         self.open, self.indices = True, []
         self.gate.has_backward, self.gate.stepped, self.gate.step = False, False, self.step
+        self.trainable.check(self.step)
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
         return True
 
@@ -290,11 +291,4 @@ class StepCycle:
             self.checkpoint()
         self.monitor.flush()  # written already when the step was checkpointed just now
         self.close()
-        if self.env.is_rank0:
-            where = "checkpoint written" if self.out is not None else "no out, so no checkpoint"
-            print(
-                f"ddpkit: preempted by {signal.Signals(number).name} at step {self.step} ({where}); "
-                "resume with --resume auto (a script's ddpkit.Run: resume='auto', its default)",
-                flush=True,
-            )
-        raise SystemExit(128 + number)
+        exit_preempted(number, self.step, self.out is not None, self.env.is_rank0)

@@ -44,7 +44,9 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     model = model.to(env.device)
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
     wrapped = _native(model, cfg) if cfg.engine == "native" else _torch_ddp(model, env, cfg)
+    wrapped.ddpkit_trainable = trainable
     if cfg.precision != "fp32":
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
         # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
@@ -242,3 +244,27 @@ def local_forwards(models: list[nn.Module]) -> Iterator[None]:
     finally:
         for model, flag, value in saved:
             setattr(model, flag, value)
+
+
+class TrainableCheck:
+    """The parameters each engine syncs are those trainable when ``run.setup`` wrapped the model:
+    torch's DDP leaves a parameter frozen then out of its buckets for good, so unfreezing it later
+    (``if epoch == 1: backbone.requires_grad_(True)``) would let the replicas drift, and freezing
+    one makes a backward without its gradient. Checked at each step's start; one line names it."""
+
+    def __init__(self, models: dict[str, nn.Module]) -> None:
+        self.models = models
+
+    def check(self, step: int) -> None:
+        for name, model in self.models.items():
+            params = list(unwrap(model).named_parameters())
+            now, was = tuple(p.requires_grad for _, p in params), model.ddpkit_trainable
+            if now != was:
+                changed = next(n for (n, _), a, b in zip(params, was, now, strict=True) if a != b)
+                what = "became trainable" if dict(params)[changed].requires_grad else "was frozen"
+                raise ConfigError(
+                    f"step {step}: {changed!r} of {name!r} {what} after run.setup, and the engine syncs the "
+                    "parameters trainable when it wrapped the model (replicas would drift); set "
+                    "requires_grad before run.setup and hold a parameter still with its learning rate "
+                    "(param_group['lr'] = 0) instead"
+                )

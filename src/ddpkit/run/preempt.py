@@ -62,3 +62,15 @@ class Preemption:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
+
+
+def exit_preempted(number: int, step: int, saved: bool, is_rank0: bool) -> None:
+    """End the process after an agreed preemption: one line from rank 0, exit code 128 + signal."""
+    if is_rank0:
+        where = "checkpoint written" if saved else "no out, so no checkpoint"
+        print(
+            f"ddpkit: preempted by {signal.Signals(number).name} at step {step} ({where}); "
+            "resume with --resume auto (a script's ddpkit.Run: resume='auto', its default)",
+            flush=True,
+        )
+    raise SystemExit(128 + number)
