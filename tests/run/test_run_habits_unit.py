@@ -141,6 +141,30 @@ def test_one_progress_bar_with_the_epochs_total(tmp_path, capsys):
     assert "epoch 0: 100%" in capsys.readouterr().err
 
 
+def _frames_until(tmp_path, stop_at: int | None) -> list[dict]:
+    """Two epochs of 3 steps, checkpointed every step; each batch's progress-bar frame."""
+    run = ddpkit.Run(out=tmp_path, global_batch=8, save_every=1, progress=True)
+    run.track(torch.optim.SGD(run.setup(nn.Linear(6, 2)).parameters(), lr=0.1))
+    loader, frames = run.loader(_data()), []
+    try:
+        for _ in range(loader.epoch, 2):
+            for _ in loader:
+                frames.append(dict(run.monitor.bar.format_dict))
+                if run.step == stop_at:
+                    return frames  # left in this step, as by a kill: resumed from the one before
+    finally:
+        run.close()
+    return frames
+
+
+def test_a_resumed_runs_bar_counts_from_where_it_resumed_with_a_rate_of_its_own(tmp_path):
+    # After a resume the first frame once showed a negative rate: (epoch steps - the run's step) / t.
+    _frames_until(tmp_path, stop_at=5)
+    frames = _frames_until(tmp_path, stop_at=None)  # resumed at step 4, epoch 1's first
+    assert (frames[0]["initial"], frames[0]["n"], frames[0]["total"]) == (1, 1, 3)
+    assert all(f["n"] - f["initial"] >= 0 and (f["rate"] or 0) >= 0 for f in frames), frames
+
+
 def test_the_users_own_bar_turns_ddpkits_off(tmp_path):
     run = ddpkit.Run(out=tmp_path, global_batch=8, progress=True)
     run.setup(nn.Linear(6, 2))

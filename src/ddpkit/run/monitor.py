@@ -136,7 +136,9 @@ class Monitor:
             return
         if steps is None:
             self.bar.reset(total=per_epoch)
-            self.bar.update(done)
+            # The rate counts this process's steps: tqdm's is (n - initial) / elapsed, and a
+            # resumed run's initial (its step) would make the first frame's rate negative.
+            self.bar.initial = self.bar.n = self.bar.last_print_n = done
         self.bar.set_description(f"epoch {epoch}", refresh=False)
 
     def samples_taken(self, step: int, indices: list[int]) -> None:
