@@ -7,7 +7,11 @@ what the same script means on one device:
 3. the loop clips the gradient itself with ``clip_grad_norm_`` before ``optimizer.step()``;
 4. a per-epoch validation accuracy is logged with ``run.log`` after each epoch;
 5. with ``--rank0-save``, a checkpoint is asked for on rank 0 only (the classic bug: a collective
-   only one rank calls), which ddpkit must report instead of hanging.
+   only one rank calls), which ddpkit must report instead of hanging;
+6. the dataset also draws from a numpy generator it owns (``self.rng``);
+7. an EMA of the weights (``AveragedModel``) is updated after every ``optimizer.step()``;
+8. the loop keeps its own state after each epoch (best accuracy, epochs without improvement),
+   written with the EMA to OUT/extras.pt at the end.
 
 Flags: --out, --micro-batch N, --kill-at STEP (rank 0 SIGKILLs itself after that step),
 --rank0-save.
@@ -17,6 +21,7 @@ import argparse
 import os
 import signal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +39,7 @@ class Flips(Dataset):
         gen = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 1, 4, 4, generator=gen)
         self.y = (self.x[..., :2].mean((1, 2, 3)) > 0).long()
+        self.rng = np.random.default_rng(seed)  # the dataset's own generator
 
     def __len__(self) -> int:
         return len(self.x)
@@ -42,7 +48,8 @@ class Flips(Dataset):
         x = self.x[i]
         if torch.rand(()) < 0.5:
             x = x.flip(-1)
-        return x + 0.1 * torch.randn_like(x), self.y[i]
+        shift = float(self.rng.normal(scale=0.05))
+        return x + 0.1 * torch.randn_like(x) + shift, self.y[i]
 
 
 def main() -> None:
@@ -66,7 +73,11 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 3) * max(0.0, (total - step) / total)
     )
-    run.track(optimizer, scheduler)
+    ema = torch.optim.swa_utils.AveragedModel(
+        run.objects["model"], multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    )
+    loop = {"best": 0.0, "bad_epochs": 0, "validations": 0}
+    run.track(optimizer, scheduler, ema=ema, loop=loop)
     held_out = Flips(30, seed=1)
     held_out = TensorDataset(held_out.x, held_out.y)
 
@@ -79,14 +90,23 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
             optimizer.step()
             scheduler.step()
+            ema.update_parameters(model)
             if run.step == args.kill_at and run.rank == 0 and run.at_step_end:
                 os.kill(os.getpid(), signal.SIGKILL)
         accuracy = run.evaluate(
             held_out, lambda batch: (model(batch[0]).argmax(1) == batch[1]).float().mean()
         )
         run.log(val_acc=accuracy["value"])
+        better = accuracy["value"] > loop["best"]
+        loop["best"], loop["bad_epochs"] = (
+            max(loop["best"], accuracy["value"]),
+            0 if better else loop["bad_epochs"] + 1,
+        )
+        loop["validations"] += 1
         if args.rank0_save and run.rank == 0:
             run.save()
+    if run.is_main:
+        torch.save({"ema": ema.state_dict(), "loop": loop}, os.path.join(args.out, "extras.pt"))
     run.finish()
 
 
