@@ -100,10 +100,10 @@ class Run:
         self.models: dict[str, nn.Module] = {}  # name -> the wrapped model the user calls
         self.objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
         self.train_loader: Loader | None = None
-        scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
-        if scaler.is_enabled():  # its scale and growth tracker resume with the run
-            self.objects["grad_scaler"] = scaler
-        self.gate = OptimizerGate(self.optim_cfg, scaler)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
+        if self.scaler.is_enabled():  # its scale and growth tracker resume with the run
+            self.objects["grad_scaler"] = self.scaler
+        self.gate = OptimizerGate(self.optim_cfg, self.scaler)
         try:
             self.session.open(self.out, self.ckpt_cfg, steps)
             configs = (self.cfg, self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg)
