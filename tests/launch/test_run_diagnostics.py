@@ -84,11 +84,13 @@ def test_a_frozen_rank_is_named_as_stopped(tmp_path, monkeypatch):
 
 EXIT_3 = textwrap.dedent(
     """
-    import sys, torch.distributed as dist
+    import sys, time, torch.distributed as dist
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         sys.exit(3)  # ddpkit's watchdog exits with 3 on a hang; a script may too, for its own reasons
-    dist.barrier()
+    # Not a barrier: rank 0 would fail in it as soon as rank 1's socket closed, and beside a busy
+    # core the agent saw that first and SIGTERMed rank 1 in the middle of its exit (-15, not 3).
+    time.sleep(120)
     """
 )
 
