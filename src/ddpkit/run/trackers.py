@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,7 @@ class _MLflow:
     name = "mlflow"
     fix = "check MLFLOW_TRACKING_URI and that its server is up"
     TAG = "ddpkit_sent"  # "STEP:RECORDS": what this run holds, as the server recorded it
+    TOKEN = "ddpkit_token"  # the ddpkit run this MLflow run belongs to (OUT/trackers.json has it)
 
     def open(self, owner: Trackers, saved: dict) -> tuple[int, int]:
         from mlflow import MlflowClient
@@ -209,15 +211,29 @@ class _MLflow:
             tag = self.client.get_run(self.run_id).data.tags.get(self.TAG, "0:0")
             self.client.update_run(self.run_id, status="RUNNING")
             return tuple(map(int, tag.split(":")))
+        # The run's token is recorded before the run exists and tags it: a kill between creating
+        # the run and recording its id leaves a run the next start finds, never a second one.
+        token = saved.get("token") or uuid.uuid4().hex
+        if "token" not in saved:
+            owner.note(self.name, token=token)
         name = MLFLOW_EXPERIMENT_NAME.get() or owner.out.resolve().name
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(experiment_id, run_name=owner.out.resolve().name).info.run_id
+        found = self.client.search_runs([experiment_id], f"tags.{self.TOKEN} = '{token}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            tags = {self.TOKEN: token}
+            self.run_id = self.client.create_run(
+                experiment_id, run_name=owner.out.resolve().name, tags=tags
+            ).info.run_id
         params = [Param(k, str(v)) for k, v in owner.params.items()]
         for i in range(0, len(params), 100):  # log_batch takes 100 params at a time
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         owner.note(self.name, run_id=self.run_id)
-        return 0, 0
+        tag = self.client.get_run(self.run_id).data.tags.get(self.TAG, "0:0") if found else "0:0"
+        return tuple(map(int, tag.split(":")))
 
     def send(self, step: int, values: dict[str, float], held: tuple[int, int]) -> None:
         from mlflow.entities import Metric, RunTag
