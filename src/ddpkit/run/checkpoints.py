@@ -152,8 +152,10 @@ def this_process() -> int:
 def finished_here(saved: dict | None, steps: int | None, env: DistEnv) -> bool:
     """True on every rank when ``saved`` is the final checkpoint of this very command, run again
     (a new process; one that finished it and makes another Run continues). Collective."""
+    if saved is None or saved.get("finished") is None:
+        return False  # every rank loaded the same checkpoint: all return here alike, no collective
     done = [False]
-    if env.is_rank0 and saved is not None and saved.get("finished") is not None:
+    if env.is_rank0:
         now, then = command(steps), dict(saved["finished"])
         done = [then.pop("pid") != now.pop("pid") and then == now]
     if env.world_size > 1:

@@ -88,8 +88,22 @@ def _same_states(a: tuple, b: tuple) -> bool:
         and a[1][2:] == b[1][2:]
         and np.array_equal(a[1][1], b[1][1])
         and torch.equal(a[2], b[2])
-        and repr(a[3]) == repr(b[3])  # the owned generators' states: dicts, tuples, arrays, tensors
+        and _same(a[3], b[3])  # the owned generators' states
     )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal generator states: dicts, tuples and lists of numbers, arrays and tensors, compared
+    whole (a repr would elide the middle of a long state)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 class SeededFetch(Dataset):
