@@ -11,7 +11,8 @@ what the same script means on one device:
 6. the dataset also draws from a numpy generator it owns (``self.rng``);
 7. an EMA of the weights (``AveragedModel``) is updated after every ``optimizer.step()``;
 8. the loop keeps its own state after each epoch (best accuracy, epochs without improvement),
-   written with the EMA to OUT/extras.pt at the end.
+   written with the EMA to OUT/extras.pt at the end;
+9. the first layer is frozen before ``run.setup`` and unfrozen at epoch 1 (fine-tuning's recipe).
 
 Flags: --out, --micro-batch N, --kill-at STEP (rank 0 SIGKILLs itself after that step),
 --rank0-save.
@@ -64,7 +65,9 @@ def main() -> None:
         out=args.out, global_batch=12, micro_batch=args.micro_batch, save_every=2, log_every=1,
         progress=False,
     )  # fmt: skip
-    model = run.setup(nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2)))
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2))
+    net[1].requires_grad_(False)
+    model = run.setup(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = run.loader(Flips(60, seed=0), num_workers=2)
     total = EPOCHS * len(loader)  # the schedule's length, as on one device
@@ -81,7 +84,9 @@ def main() -> None:
     held_out = Flips(30, seed=1)
     held_out = TensorDataset(held_out.x, held_out.y)
 
-    for _epoch in range(loader.epoch, EPOCHS):
+    for epoch in range(loader.epoch, EPOCHS):
+        if epoch == 1:
+            net[1].requires_grad_(True)
         model.train()
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)

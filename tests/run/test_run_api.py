@@ -122,11 +122,13 @@ def _evaluate(n: int) -> dict:
 
 
 @pytest.mark.slow
-def test_evaluate_is_exact_over_uneven_shards():
-    n = 10  # 4, 3 and 3 samples on three ranks; batches of 3 leave partial ones
+def test_evaluate_is_exact_over_uneven_shards_and_the_same_to_the_bit_on_one_process():
+    n = 10  # batches of 3, 3, 3 and 1: two on rank 0, one each on ranks 1 and 2
     results = ddpkit.launch(_evaluate, 3, (n,))
     x, y = _data(n).tensors
+    alone = _evaluate(n)  # a world of one, in this process
     for result in results:
+        assert result == alone  # the same batches' float32 means, added in the same order
         assert result["samples"] == n
         assert result["x0"] == pytest.approx(x[:, 0].mean().item(), abs=1e-6)
         assert result["y"] == pytest.approx(y.mean().item(), abs=1e-6)

@@ -245,6 +245,12 @@ class DataParallel(nn.Module, Joinable):
         """The process group join's all-reduces run in."""
         return self.process_group
 
+    def replan(self) -> None:
+        """Rebuild the buckets for the parameters that require grad now (after freezing or
+        unfreezing some). Every rank calls it at the same point, between two steps."""
+        self.reducer.remove_hooks()
+        self.reducer = self._make_reducer()
+
     def __getstate__(self) -> dict:
         """Pickle (``torch.save(model)``, ``copy.deepcopy``) without the process group and reducer.
 

@@ -1,8 +1,11 @@
 """What a Run's checkpoint holds, where it is resumed from, and how each registered object gets its part.
 
-A checkpoint is ``{"step", "world_size", "rng": [one dict per rank], "state": {name: state_dict}}``
-where the names are those the user registered (``run.setup``, ``run.track``, ``run.loader``),
-every one of them through its own ``state_dict()`` / ``load_state_dict()``. Rank 0 writes it
+A checkpoint is ``{"step", "world_size", "rng": [one dict per rank], "state": {name: state_dict},
+"frozen": {name: [parameter names]}}`` where the names are those the user registered
+(``run.setup``, ``run.track``, ``run.loader``), every one of them through its own ``state_dict()``
+/ ``load_state_dict()``; ``frozen`` holds each module's parameters without ``requires_grad``
+(a backbone unfrozen at epoch 1 is trainable in a run resumed at epoch 2, whose loop never runs
+that line again). Rank 0 writes it
 atomically with a sha256 manifest (``checkpoint/store.py``); every rank loads the same one.
 """
 
@@ -128,6 +131,9 @@ def restore_run(
 def restore(objects: dict[str, Any], saved: dict, rank: int) -> None:
     """Give each registered object its part; optimizers last, so the learning rates in their
     param groups are the saved ones and not what a scheduler's constructor set."""
+    for name, frozen in saved.get("frozen", {}).items():  # the engine re-plans at its next forward
+        for param_name, param in objects[name].named_parameters():
+            param.requires_grad_(param_name not in frozen)
     last = [n for n, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)]
     for name in [n for n in objects if n not in last] + last:
         objects[name].load_state_dict(saved["state"][name])
@@ -188,6 +194,11 @@ def save(
         "world_size": env.world_size,
         "rng": [mine["rng"] for mine in everyone],
         "state": parts,
+        "frozen": {
+            name: [param_name for param_name, p in obj.named_parameters() if not p.requires_grad]
+            for name, obj in objects.items()
+            if isinstance(obj, nn.Module)
+        },  # fmt: skip
         "finished": finished,
     }
     return save_checkpoint(directory, step, state, keep_last=cfg.keep_last)

@@ -30,7 +30,7 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.engine import TrainableCheck, set_grad_sync
+from ddpkit.run.engine import set_grad_sync, step_began
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.micro import Micro, to_device
 from ddpkit.run.monitor import Monitor
@@ -75,7 +75,6 @@ class StepCycle:
         self.indices: list[int] = []
         self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
         self.replicas = ReplicaCheck(self.env, monitor.phase, models)
-        self.trainable = TrainableCheck(models)
 
     @property
     def at_step_end(self) -> bool:
@@ -135,7 +134,7 @@ class StepCycle:
         self.epoch, self.source, self.step = source.epoch, source, self.step + 1
         self.open, self.indices = True, []
         self.gate.has_backward, self.gate.stepped, self.gate.step = False, False, self.step
-        self.trainable.check(self.step)
+        step_began(self.models.values(), self.step)
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
         return True
 

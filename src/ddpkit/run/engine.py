@@ -8,7 +8,6 @@ engine and any ``torch.compile``, so its keys are the plain model's in either or
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import re
 import sys
@@ -26,6 +25,7 @@ from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced
 from ddpkit.run.config import EngineConfig
+from ddpkit.run.precision import autocast_forward
 
 
 def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
@@ -45,12 +45,12 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
-    wrapped = _native(model, cfg) if cfg.engine == "native" else _torch_ddp(model, env, cfg)
-    wrapped.ddpkit_trainable = trainable
+    wrapped = _native(model, cfg) if cfg.engine == "native" else _TorchEngine(model, env, cfg)
+    wrapped.ddpkit_trainable, wrapped.ddpkit_step, wrapped.ddpkit_forward_step = trainable, 0, -1
     if cfg.precision != "fp32":
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
         # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
-        wrapped.forward = _autocast_forward(wrapped.forward, env.device.type, dtype)
+        wrapped.forward = autocast_forward(wrapped.forward, env.device.type, dtype)
     return wrapped
 
 
@@ -64,31 +64,17 @@ def _native(model: nn.Module, cfg: EngineConfig) -> DataParallel:
     )
 
 
-def _torch_ddp(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> DistributedDataParallel:
-    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers and warns about the old name.
-    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    ddp = _TorchEngine(
-        model,
-        device_ids=[env.device.index] if env.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb,
-        find_unused_parameters=cfg.find_unused_parameters,
-        **{"forward_sync_buffers" if renamed else "broadcast_buffers": cfg.broadcast_buffers},
-    )
-    if cfg.compression is not None:
-        ddp.register_comm_hook(*_torch_hook(cfg.compression))
-    return ddp
-
-
 # torch's DDP raises this at the forward after a backward pass in which some parameters got no
 # gradient, and numbers them (not by name unless TORCH_DISTRIBUTED_DEBUG is set).
 _UNFINISHED = "Expected to have finished reduction in the prior iteration"
 _INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
 
 
-class _NamesUnused:
-    """An engine whose error for parameters that got no gradient in the last backward pass is
-    one line naming them and the fix in ``ddpkit.Run``'s terms (torch's numbers them and names
-    DDP's keyword), and which gives the user's attributes and methods (``model.backbone``,
+class _RunEngine:
+    """What ``run.setup`` returns, on either engine: it re-plans the engine when ``requires_grad``
+    changes between steps (``_follow_trainable``), names the parameters that got no gradient in
+    the last backward pass in one line with the fix in ``ddpkit.Run``'s terms (torch numbers them
+    and names DDP's keyword), and gives the user's attributes and methods (``model.backbone``,
     ``model.generate``) as the user's own model does (Lightning Fabric's wrapper does the same)."""
 
     def __getattr__(self, name: str):
@@ -101,6 +87,8 @@ class _NamesUnused:
             return getattr(module, name)
 
     def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():
+            self._follow_trainable()
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as exc:
@@ -109,16 +97,79 @@ class _NamesUnused:
                 raise
             raise _unused_error(names, type(unwrap(self)).__name__) from None
 
+    def _follow_trainable(self) -> None:
+        """Re-plan the engine when what requires grad changed since the last training forward.
+
+        Each engine syncs the parameters trainable when it was built: a backbone frozen before
+        ``run.setup`` and unfrozen at epoch 1 (the fine-tuning recipe) would otherwise never be
+        synced, and the replicas drift. Every rank runs the same loop, so every rank re-plans at
+        the same forward. A change in the middle of a step (after its first forward) would leave
+        the step's earlier micro-batches out of the new parameters' gradients: one line instead.
+        """
+        first = self.ddpkit_step != self.ddpkit_forward_step  # this step's first training forward
+        self.ddpkit_forward_step = self.ddpkit_step
+        now = tuple(p.requires_grad for p in self.module.parameters())
+        if now == self.ddpkit_trainable:
+            return
+        model = type(unwrap(self)).__name__
+        if not first or not any(now):
+            raise _trainable_error(self.module, self.ddpkit_trainable, model, self.ddpkit_step)
+        self.replan()
+        self.ddpkit_trainable = now
+        if dist.get_rank() == 0:
+            print(
+                f"ddpkit: step {self.ddpkit_step}: {model} now trains {sum(now)} of {len(now)} "
+                "parameters (requires_grad changed); the engine syncs those from here on",
+                flush=True,
+            )
+
     def _get_name(self) -> str:  # print(model) shows the engine's own class name
         return next(c.__name__ for c in type(self).__mro__ if c in (DistributedDataParallel, DataParallel))
 
 
-class _TorchEngine(_NamesUnused, DistributedDataParallel):
+class _TorchEngine(_RunEngine, DistributedDataParallel):
     """torch's DistributedDataParallel, naming parameters without a gradient."""
 
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: EngineConfig, init_sync: bool = True) -> None:
+        # torch 2.13 renamed broadcast_buffers to forward_sync_buffers and warns about the old name.
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        super().__init__(
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            find_unused_parameters=cfg.find_unused_parameters,
+            init_sync=init_sync,
+            **{"forward_sync_buffers" if renamed else "broadcast_buffers": cfg.broadcast_buffers},
+        )
+        if cfg.compression is not None:
+            self.register_comm_hook(*_torch_hook(cfg.compression))
+        self.ddpkit_rebuild = (env, cfg)
 
-class _NativeEngine(_NamesUnused, DataParallel):
+    def replan(self) -> None:
+        """torch's DDP takes its parameters once, in its constructor: built again in place (the
+        user holds this object), it buckets those trainable now, and the old reducer goes with
+        its hooks. No collective (the replicas agree already; a rank that got here alone, as in a
+        desync, must wait in the next all-reduce, where the hang reports find it). The no_sync
+        state is this step's and stays."""
+        sync = self.require_backward_grad_sync, self.require_forward_param_sync
+        _TorchEngine.__init__(self, self.module, *self.ddpkit_rebuild, init_sync=False)
+        self.require_backward_grad_sync, self.require_forward_param_sync = sync
+
+
+class _NativeEngine(_RunEngine, DataParallel):
     """ddpkit's DataParallel, naming parameters without a gradient in Run's terms."""
+
+
+def _trainable_error(module: nn.Module, was: tuple[bool, ...], model: str, step: int) -> ConfigError:
+    params = list(module.named_parameters())
+    changed = next(name for (name, p), before in zip(params, was, strict=True) if p.requires_grad != before)
+    what = f"requires_grad of {changed!r} of {model} changed in the middle of step {step}"
+    if not any(p.requires_grad for _, p in params):
+        what = f"every parameter of {model} is frozen at step {step}, so nothing trains"
+    return ConfigError(
+        f"{what}; freeze or unfreeze between steps (after an epoch, or before the step's first "
+        "forward), so every rank's gradient covers the whole step"
+    )
 
 
 def _unused_names(exc: RuntimeError, model: nn.Module) -> list[str] | None:
@@ -178,30 +229,6 @@ def _torch_hook(name: str) -> tuple:
     return None, default_hooks.bf16_compress_hook if name == "bf16" else default_hooks.fp16_compress_hook
 
 
-def _autocast_forward(forward, device_type: str, dtype: torch.dtype):
-    """Run ``forward`` under autocast and hand back float32 outputs, so a loss outside is fp32."""
-
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            output = forward(*args, **kwargs)
-        return _to_float32(output)
-
-    return run
-
-
-def _to_float32(value):
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return type(value)({k: _to_float32(v) for k, v in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_to_float32(v) for v in value))
-    if isinstance(value, list | tuple):
-        return type(value)(_to_float32(v) for v in value)
-    return value
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare module inside the engine and ``torch.compile`` wrappers, in any order (the model
     itself when not wrapped): its ``state_dict`` keys are the plain model's, without ``_orig_mod.``."""
@@ -246,25 +273,7 @@ def local_forwards(models: list[nn.Module]) -> Iterator[None]:
             setattr(model, flag, value)
 
 
-class TrainableCheck:
-    """The parameters each engine syncs are those trainable when ``run.setup`` wrapped the model:
-    torch's DDP leaves a parameter frozen then out of its buckets for good, so unfreezing it later
-    (``if epoch == 1: backbone.requires_grad_(True)``) would let the replicas drift, and freezing
-    one makes a backward without its gradient. Checked at each step's start; one line names it."""
-
-    def __init__(self, models: dict[str, nn.Module]) -> None:
-        self.models = models
-
-    def check(self, step: int) -> None:
-        for name, model in self.models.items():
-            params = list(unwrap(model).named_parameters())
-            now, was = tuple(p.requires_grad for _, p in params), model.ddpkit_trainable
-            if now != was:
-                changed = next(n for (n, _), a, b in zip(params, was, now, strict=True) if a != b)
-                what = "became trainable" if dict(params)[changed].requires_grad else "was frozen"
-                raise ConfigError(
-                    f"step {step}: {changed!r} of {name!r} {what} after run.setup, and the engine syncs the "
-                    "parameters trainable when it wrapped the model (replicas would drift); set "
-                    "requires_grad before run.setup and hold a parameter still with its learning rate "
-                    "(param_group['lr'] = 0) instead"
-                )
+def step_began(models: Iterable[nn.Module], step: int) -> None:
+    """Tell each engine the step whose first training forward comes next (see _follow_trainable)."""
+    for model in models:
+        model.ddpkit_step = step
