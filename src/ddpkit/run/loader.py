@@ -101,15 +101,34 @@ def make_source(
     """The source of ``run.loader(data, **kwargs)``: a stream's, or a map-style dataset's over the
     run's global-batch sampler (drawn by ``weights=`` when given); ``phase`` tells the hang
     watchdog of a stream's agreement."""
-    weights = kwargs.pop("weights", None)
+    weights, inexact = kwargs.pop("weights", None), kwargs.pop("inexact_resume", False)
     dataset, global_batch, kwargs, shuffle = loader_parts(data, cfg, env.device, kwargs)
     if is_stream(dataset):
         if weights is not None:
             raise ConfigError("run.loader(weights=...) needs a map-style dataset; a stream has no indices")
+        if not inexact:
+            check_exact_resume(dataset)
         check_split(global_batch, env.world_size)
         return StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs, phase)
     sampler = make_sampler(dataset, global_batch, env, cfg, seed, shuffle, weights)
     return MapSource(dataset, sampler, cfg.micro_batch, kwargs)
+
+
+def check_exact_resume(stream: Any) -> None:
+    """Refuse a stream whose ``state_dict`` cannot give the position back: a HuggingFace stream
+    shuffled with ``.shuffle(buffer_size=N)`` leaves its buffer out (``datasets`` refills it on
+    load), so a resumed run would skip up to N samples a rank and read others in another order."""
+    node = getattr(stream, "_ex_iterable", None)  # datasets' chain of iterables, outermost first
+    while node is not None:
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            raise ConfigError(
+                f"this datasets stream is shuffled with .shuffle(buffer_size={node.buffer_size}), whose "
+                "buffer is not in its state_dict: a resumed run would skip up to that many samples a "
+                "rank and read others in another order; shuffle before streaming "
+                "(Dataset.shuffle(seed).to_iterable_dataset()), or use ddpkit.data.Shards, or pass "
+                "run.loader(..., inexact_resume=True) to accept it"
+            )
+        node = getattr(node, "ex_iterable", None)
 
 
 def is_stream(data: Any) -> bool:

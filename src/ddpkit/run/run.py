@@ -171,7 +171,8 @@ class Run:
                 the global batch when the run sets none), collate_fn and worker settings are taken over.
             **dataloader_kwargs: num_workers, collate_fn, pin_memory, persistent_workers,
                 prefetch_factor, worker_init_fn, multiprocessing_context, as for torch's DataLoader;
-                weights: one per sample, drawn with replacement from (seed, epoch) instead of a shuffle.
+                weights: one per sample, drawn with replacement from (seed, epoch) instead of a shuffle;
+                inexact_resume: accept a stream whose state_dict cannot resume it exactly.
         """
         if self.train_loader is not None:
             raise ConfigError(
