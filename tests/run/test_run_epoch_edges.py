@@ -49,7 +49,7 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
 
 
-def _train(out, kill_at: int | None = None, epochs: int = 4, engine: str = "torch") -> dict:
+def _train(out, kill_at: int | str | None = None, epochs: int = 4, engine: str = "torch") -> dict:
     """4 steps an epoch; after each epoch a validation loss, a plateau scheduler, early stopping.
     The backbone is frozen before run.setup and unfrozen for epoch 1 on (fine-tuning's recipe)."""
     run = ddpkit.Run(out=out, global_batch=4, micro_batch=2, save_every=4, progress=False, engine=engine)
@@ -77,6 +77,8 @@ def _train(out, kill_at: int | None = None, epochs: int = 4, engine: str = "torc
             with torch.no_grad():
                 val = F.mse_loss(model(val_x), val_y).item() + 1.0 * (epoch == 1)  # epoch 1 worse
             plateau.step(val)
+            if kill_at == f"epoch {epoch} end":  # inside the epoch-end code, half of it done
+                raise Killed
             loop["validations"] += 1
             loop["best"], loop["bad_epochs"] = (
                 min(loop["best"], val),
@@ -97,11 +99,20 @@ def _train(out, kill_at: int | None = None, epochs: int = 4, engine: str = "torc
     }
 
 
-@pytest.mark.parametrize(("kill_at", "engine"), [(5, "torch"), (6, "torch"), (10, "torch"), (10, "native")])
+@pytest.mark.parametrize(
+    ("kill_at", "engine"),
+    [
+        *((step, "torch") for step in range(5, 16)),
+        *((f"epoch {e} end", "torch") for e in (1, 2)),
+        (10, "native"),
+    ],
+)
 def test_epoch_end_code_is_in_the_checkpoint_and_a_killed_run_resumes_bit_equal(tmp_path, kill_at, engine):
     # Killed in epoch 1, after the step-4 checkpoint: that checkpoint once held the state from
     # before epoch 0's validation (scheduler, loop counters), so the resumed run never ran it.
     # Killed in epoch 2: the rerun never unfreezes the backbone, the checkpoint's requires_grad does.
+    # Killed at every step, and inside each epoch's end code (after the plateau scheduler stepped,
+    # before the loop's counters did): the rerun runs each epoch's end exactly once.
     whole = _train(tmp_path / "whole", engine=engine)
     assert whole["weights"]["backbone.weight"].ne(Net().backbone.weight).any(), "the backbone never trained"
     assert _train(tmp_path / "cut", kill_at=kill_at, engine=engine) == {}
@@ -110,6 +121,20 @@ def test_epoch_end_code_is_in_the_checkpoint_and_a_killed_run_resumes_bit_equal(
     assert resumed["lr"] == whole["lr"] == 0.05  # the plateau after epoch 1 halved it once
     for part in ("weights", "ema"):
         assert all(torch.equal(resumed[part][k], whole[part][k]) for k in whole[part]), part
+
+
+@pytest.mark.parametrize("kill_at", [4, "epoch 0 end"])
+def test_killed_before_its_first_checkpoint_the_rerun_is_one_line_and_nothing_is_overwritten(
+    tmp_path, kill_at
+):
+    # Epoch 0's last step (4) is checkpointed at step 5's start, after epoch 0's end code.
+    assert _train(tmp_path / "cut", kill_at=kill_at) == {}
+    logged = (tmp_path / "cut" / "metrics.jsonl").read_bytes()
+    with pytest.raises(
+        ddpkit.ConfigError, match="already holds a run .metrics.jsonl.; it wrote no checkpoint"
+    ):
+        _train(tmp_path / "cut")
+    assert (tmp_path / "cut" / "metrics.jsonl").read_bytes() == logged
 
 
 def test_a_tracked_ema_takes_the_weights_once_per_optimizer_step(tmp_path):

@@ -81,8 +81,8 @@ def _refuse_to_overwrite(out: Path, cfg: CheckpointConfig) -> None:
         return
     if (out / "checkpoints").exists() and cfg.resume == "never":
         fix = "pass resume='auto' to continue it"
-    else:
-        fix = "it has no checkpoint to continue from (save_every=0)"
+    else:  # killed before its first checkpoint, or save_every=0
+        fix = "it wrote no checkpoint to continue from; remove its files to start it over"
     raise ConfigError(
         f"out={str(out)!r} already holds a run ({', '.join(earlier)}); {fix}, or choose another out"
     )
