@@ -26,6 +26,7 @@ from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced
 from ddpkit.run.config import EngineConfig
+from ddpkit.run.sharded import is_sharded, set_sync, shard
 
 
 def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
@@ -45,16 +46,17 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
-    wrapped = _native(model, cfg) if cfg.engine == "native" else _torch_ddp(model, env, cfg)
+    engines = {"native": _native, "fsdp": shard, "torch": _torch_ddp}
+    wrapped = engines[cfg.engine](model, env, cfg)
     wrapped.ddpkit_trainable = trainable
-    if cfg.precision != "fp32":
+    if cfg.precision != "fp32" and cfg.engine != "fsdp":  # fsdp's precision is its own policy
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
         # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
         wrapped.forward = _autocast_forward(wrapped.forward, env.device.type, dtype)
     return wrapped
 
 
-def _native(model: nn.Module, cfg: EngineConfig) -> DataParallel:
+def _native(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> DataParallel:
     return _NativeEngine(
         model,
         bucket_cap_mb=cfg.bucket_cap_mb,
@@ -220,6 +222,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 def set_grad_sync(models: Iterable[nn.Module], sync: bool) -> None:
     """What ``no_sync()`` toggles, for several models at once: False accumulates locally."""
     for model in models:
+        if is_sharded(model):
+            set_sync(model, sync)
+            continue
         # Set only on a change: nn.Module.__setattr__ is slow, and most steps are one micro-batch.
         if model.require_backward_grad_sync != sync:
             model.require_backward_grad_sync = sync

@@ -1,12 +1,14 @@
 """Exact metrics over a held-out split whose shards are uneven: nothing padded, nothing counted twice.
 
 Rank r takes samples r, r + world_size, ... (shards differ by at most one sample, and a rank may
-have none). Each rank sums ``batch mean * batch size`` per metric in float64; one
-``all_gather_object`` (ranks without a batch know no metric names) adds the sums up.
+have none; with a sharded model, whose forwards are collectives, a rank with fewer batches runs
+extra forwards whose results are dropped). Each rank sums ``batch mean * batch size`` per metric
+in float64; one ``all_gather_object`` (ranks without a batch know no metric names) adds the sums up.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.micro import to_device
+from ddpkit.run.sharded import is_sharded
 
 
 @torch.no_grad()
@@ -55,6 +58,8 @@ def evaluate(
         model.eval()
     try:
         sums, count = _local_sums(loader, fn, env.device)
+        if any(is_sharded(m) for m in models):
+            _keep_in_step(dataset, fn, env, len(loader), batch_size, kwargs)
     finally:
         for model, mode in zip(models, modes, strict=True):
             model.train(mode)
@@ -66,6 +71,21 @@ def evaluate(
     return {name: value / total if reduce == "mean" else value for name, value in sums.items()} | {
         "samples": total
     }
+
+
+def _keep_in_step(
+    dataset: Dataset, fn: Callable, env: DistEnv, done: int, batch_size: int, kwargs: dict
+) -> None:
+    """A sharded model's forward all-gathers its parameters, so every rank must run as many as the
+    rank with the most batches (rank 0): the others run ``fn`` on the dataset's first batch for
+    the difference, and its result is dropped."""
+    most = math.ceil(math.ceil(len(dataset) / env.world_size) / batch_size)
+    if most > done:
+        filler = next(
+            iter(DataLoader(Subset(dataset, range(min(batch_size, len(dataset)))), batch_size, **kwargs))
+        )
+        for _ in range(most - done):
+            fn(to_device(filler, env.device))
 
 
 def _local_sums(loader: DataLoader, fn: Callable, device: torch.device) -> tuple[dict[str, float], int]:
