@@ -242,7 +242,7 @@ def local_forwards(models: list[nn.Module]) -> Iterator[None]:
         broadcast_coalesced(list(unwrap(model).buffers()), dist.group.WORLD, 0)
         # The flag each engine reads before a forward to decide whether to sync buffers.
         flag = "sync_buffers_next" if isinstance(model, DataParallel) else "require_forward_param_sync"
-        saved.append((model, flag, getattr(model, flag)))
+        saved.append((model, flag, getattr(model, flag, True)))  # fsdp: our hook reads it
         setattr(model, flag, False)
     try:
         yield

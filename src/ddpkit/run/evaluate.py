@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.micro import to_device
-from ddpkit.run.sharded import is_sharded
+from ddpkit.run.sharded import is_sharded, reshard
 
 
 @torch.no_grad()
@@ -63,6 +63,7 @@ def evaluate(
     finally:
         for model, mode in zip(models, modes, strict=True):
             model.train(mode)
+            reshard(model)
     everyone: list[tuple | None] = [None] * env.world_size
     dist.all_gather_object(everyone, (sums, count))
     total = sum(n for _, n in everyone)

@@ -131,3 +131,13 @@ def set_sync(model: nn.Module, sync: bool) -> None:
     """FSDP2's ``no_sync``: False keeps each micro-batch's gradient unsharded and local, and
     reduce-scatters nothing until a backward with True."""
     model.set_requires_gradient_sync(sync)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters a forward without backward left (an evaluation, or any group
+    with ``reshard_after_forward=False``) and register the shards again, in every group: a
+    checkpoint and the optimizer's pairing read the registered parameters. Nothing if not sharded."""
+    if is_sharded(model):
+        for module in model.modules():
+            if is_sharded(module):
+                module.reshard()

@@ -20,7 +20,7 @@ from torch import nn
 
 from ddpkit.checkpoint.dcp import is_sharded_entry, load_sharded, saved_keys
 from ddpkit.errors import ConfigError
-from ddpkit.run.sharded import is_sharded
+from ddpkit.run.sharded import is_sharded, reshard
 
 
 class ModelState:
@@ -76,6 +76,8 @@ def sharded_parts(objects: dict[str, Any]) -> dict[str, Any]:
     models = {name: obj for name, obj in objects.items() if isinstance(obj, nn.Module) and is_sharded(obj)}
     if not models:
         return {}
+    for module in models.values():
+        reshard(module)  # the registered parameters are the shards again, after a forward of the user's
     parts: dict[str, Any] = {name: ModelState(module) for name, module in models.items()}
     for name, obj in objects.items():
         if isinstance(obj, torch.optim.Optimizer):
