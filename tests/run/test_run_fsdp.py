@@ -28,7 +28,18 @@ KILL_IN_SAVE = 8  # mid-epoch 1 (steps 6 to 10); the checkpoint of step 6 is the
 
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc), str(SCRIPT), "--out", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "--nproc",
+        str(nproc),
+        str(SCRIPT),
+        "--out",
+        str(out),
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done
