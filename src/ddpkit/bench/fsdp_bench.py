@@ -109,7 +109,7 @@ def time_rank(layers: int, width: int, rounds: int, per_round: int) -> dict:
 def table(memory: dict[int, dict[str, list[dict]]]) -> tuple[str, dict]:
     """The memory table (the most any rank holds) and each sharded part's fraction of full / N."""
     rows = [
-        "| processes | engine | params MB | grads MB | optimizer MB | sharded part / (full / N) | peak MB |"
+        "| processes | engine | params MB | grads MB | optimizer MB | part / (full / N) | peak growth MB |"
     ]
     rows.append("|---|---|---|---|---|---|---|")
     fractions = {}
