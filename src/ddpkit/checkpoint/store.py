@@ -58,26 +58,40 @@ def save_checkpoint(directory: str | Path, step: int, state: dict, keep_last: in
         ConfigError: bad ``step`` or ``keep_last``, or ``state`` holds objects a resume could not load.
         DiskFullError: the disk filled up; the partial copy is removed and the previous checkpoint stays.
     """
+    final, tmp = begin_save(directory, step, state, keep_last)
+    return commit_save(final, tmp, step, state, keep_last)
+
+
+def begin_save(directory: str | Path, step: int, state: dict, keep_last: int) -> tuple[Path, Path]:
+    """Check the arguments, remove what interrupted saves left, and make the hidden temporary
+    folder a checkpoint is written into; returns ``(final, tmp)``. A sharded save has every rank
+    write its files into ``tmp`` before ``commit_save``."""
     _check_save_args(step, state, keep_last)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _clean_leftovers(directory)
     final = directory / checkpoint_name(step)
     tmp = _temp_path(final)
+    tmp.mkdir()
+    return final, tmp
+
+
+def commit_save(final: Path, tmp: Path, step: int, state: dict, keep_last: int, files: tuple = ()) -> Path:
+    """Write ``state`` into ``tmp`` with a manifest of it and of ``files`` (already there), rename
+    ``tmp`` to ``final`` and prune to ``keep_last``. On any error ``tmp`` is removed."""
     try:
-        tmp.mkdir()
-        _write(tmp, step, state)
+        _write(tmp, step, state, files)
         old = _commit(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        earlier = list_checkpoints(directory)
+        earlier = list_checkpoints(final.parent)
         kept = f"the previous checkpoint {earlier[-1]} is kept" if earlier else "no earlier checkpoint"
         raise_if_disk_full(exc, final, state_bytes(state), kept)
         raise
-    fsync_dir(directory)  # the rename is durable only once the parent's entry is on disk
+    fsync_dir(final.parent)  # the rename is durable only once the parent's entry is on disk
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    _prune(directory, keep_last, final)
+    _prune(final.parent, keep_last, final)
     return final
 
 
@@ -94,13 +108,13 @@ def _temp_path(final: Path, kind: str = "") -> Path:
     return final.with_name(f".{final.name}.{secrets.token_hex(4)}{kind}.tmp")
 
 
-def _write(tmp: Path, step: int, state: dict) -> None:
+def _write(tmp: Path, step: int, state: dict, files: tuple = ()) -> None:
     with open(tmp / STATE, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     _check_loadable(tmp / STATE, step)
-    write_manifest(tmp, step, [STATE])
+    write_manifest(tmp, step, [STATE, *files])
     fsync_dir(tmp)
 
 

@@ -7,6 +7,8 @@ one small all_gather, and names the first tensor that differs.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,10 +20,18 @@ def fingerprint(module: nn.Module, buffers: bool = True) -> tuple[list[str], tor
     """Names and a (2 * tensors,) float64 vector: the sum and a position-weighted sum of each tensor.
 
     Sum alone misses a permutation; adding a position-weighted sum catches swapped elements too.
+    A sharded parameter (FSDP2's DTensor with a Shard placement) is left out: each of its elements
+    lives on one rank only, so there is no second copy to disagree; a replicated one counts.
     """
     names, values = [], []
+    # Looked up, not imported: DTensor costs a second at start-up, and exists only once FSDP does.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
     tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else [])]
     for name, tensor in tensors:
+        if dtensor and isinstance(tensor, dtensor):
+            if any(placement.is_shard() for placement in tensor.placements):
+                continue
+            tensor = tensor.to_local()
         flat = tensor.detach().to(torch.float64).flatten()
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         names.append(name)

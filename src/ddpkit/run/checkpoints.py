@@ -30,12 +30,14 @@ from ddpkit.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from ddpkit.checkpoint.dcp import SHARDED, save_sharded
 from ddpkit.checkpoint.lock import OutLock
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.engine import unwrap
+from ddpkit.run.sharded_state import restore_parts, sharded_parts
 
 log = logging.getLogger(__name__)
 
@@ -121,22 +123,23 @@ def restore_run(
     """At the loop's first batch: every registered object gets its part of the checkpoint at
     ``path``, the generators their state, and the replicas are checked to agree."""
     check_names(path, saved["state"], list(objects))
-    restore(objects, saved, env.rank)
+    restore(objects, saved, env.rank, restore_parts(path, saved["state"], objects))
     for name, model in models.items():
         check_replicas_agree(unwrap(model), env, f"after loading {path} ({name})")
     if env.is_rank0:
         print(f"ddpkit: resumed from {path} at step {step}", flush=True)
 
 
-def restore(objects: dict[str, Any], saved: dict, rank: int) -> None:
-    """Give each registered object its part; optimizers last, so the learning rates in their
-    param groups are the saved ones and not what a scheduler's constructor set."""
+def restore(objects: dict[str, Any], saved: dict, rank: int, sharded: set[str] = frozenset()) -> None:
+    """Give each registered object its part (``sharded``: those DCP restored); optimizers last, so
+    the learning rates in their param groups are the saved ones and not what a scheduler's constructor set."""
     for name, frozen in saved.get("frozen", {}).items():  # the engine re-plans at its next forward
         for param_name, param in objects[name].named_parameters():
             param.requires_grad_(param_name not in frozen)
     last = [n for n, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)]
     for name in [n for n in objects if n not in last] + last:
-        objects[name].load_state_dict(saved["state"][name])
+        if name not in sharded:
+            objects[name].load_state_dict(saved["state"][name])
     rng = saved["rng"]
     # Same world size: each rank continues its own random streams; otherwise ranks map modulo.
     restore_rng(rng[rank % len(rng)])
@@ -185,10 +188,11 @@ def save(
     own = {name: obj.state_dict() for name, obj in objects.items() if getattr(obj, "per_rank_state", False)}
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, {"rng": capture_rng(), "own": own})
+    shards = sharded_parts(objects)  # a sharded model and its optimizers: every rank writes them
     if not env.is_rank0:
-        return None
-    parts = {name: [mine["own"][name] for mine in everyone] if name in own else obj.state_dict()
-             for name, obj in objects.items()}  # fmt: skip
+        return save_sharded(directory, step, None, shards, False, cfg.keep_last) if shards else None
+    parts = {name: SHARDED if name in shards else [mine["own"][name] for mine in everyone] if name in own
+             else obj.state_dict() for name, obj in objects.items()}  # fmt: skip
     state = {
         "step": step,
         "world_size": env.world_size,
@@ -201,4 +205,6 @@ def save(
         },  # fmt: skip
         "finished": finished,
     }
+    if shards:
+        return save_sharded(directory, step, state, shards, True, cfg.keep_last)
     return save_checkpoint(directory, step, state, keep_last=cfg.keep_last)

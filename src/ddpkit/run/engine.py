@@ -26,6 +26,7 @@ from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced
 from ddpkit.run.config import EngineConfig
 from ddpkit.run.precision import autocast_forward
+from ddpkit.run.sharded import is_sharded, set_sync, shard
 
 
 def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
@@ -45,16 +46,17 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
-    wrapped = _native(model, cfg) if cfg.engine == "native" else _TorchEngine(model, env, cfg)
+    engines = {"native": _native, "fsdp": shard, "torch": _TorchEngine}
+    wrapped = engines[cfg.engine](model, env, cfg)
     wrapped.ddpkit_trainable, wrapped.ddpkit_step, wrapped.ddpkit_forward_step = trainable, 0, -1
-    if cfg.precision != "fp32":
+    if cfg.precision != "fp32" and cfg.engine != "fsdp":  # fsdp's precision is its own policy
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
         # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
         wrapped.forward = autocast_forward(wrapped.forward, env.device.type, dtype)
     return wrapped
 
 
-def _native(model: nn.Module, cfg: EngineConfig) -> DataParallel:
+def _native(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> DataParallel:
     return _NativeEngine(
         model,
         bucket_cap_mb=cfg.bucket_cap_mb,
@@ -247,6 +249,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 def set_grad_sync(models: Iterable[nn.Module], sync: bool) -> None:
     """What ``no_sync()`` toggles, for several models at once: False accumulates locally."""
     for model in models:
+        if is_sharded(model):
+            set_sync(model, sync)
+            continue
         # Set only on a change: nn.Module.__setattr__ is slow, and most steps are one micro-batch.
         if model.require_backward_grad_sync != sync:
             model.require_backward_grad_sync = sync
@@ -264,7 +269,7 @@ def local_forwards(models: list[nn.Module]) -> Iterator[None]:
         broadcast_coalesced(list(unwrap(model).buffers()), dist.group.WORLD, 0)
         # The flag each engine reads before a forward to decide whether to sync buffers.
         flag = "sync_buffers_next" if isinstance(model, DataParallel) else "require_forward_param_sync"
-        saved.append((model, flag, getattr(model, flag)))
+        saved.append((model, flag, getattr(model, flag, True)))  # fsdp: our hook reads it
         setattr(model, flag, False)
     try:
         yield

@@ -4,9 +4,11 @@ The split is cut into the batches one process would make (``batch_size`` samples
 last one shorter), and batch b goes to rank b % world_size: every world size computes the same
 batches, so the same float32 batch means (a rank may have none). Each batch's ``mean * size`` is
 kept in float64; one ``all_gather_object`` brings them together and they are added in batch order.
-Nothing is padded or counted twice. (Sharded by sample instead, 2 processes averaged two 15-sample
-means where 1 averaged one of 30: 0.46666668 against 0.46666667, and an early-stopping comparison
-of a tie went the other way.)
+Nothing is padded or counted twice. With a sharded model, whose forwards are collectives, a rank
+with one batch fewer runs one more forward on the first batch and drops its result.
+
+(Sharded by sample instead, 2 processes averaged two 15-sample means where 1 averaged one of 30:
+0.46666668 against 0.46666667, and an early-stopping comparison of a tie went the other way.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.micro import to_device
+from ddpkit.run.sharded import is_sharded, reshard
 
 
 @torch.no_grad()
@@ -67,9 +70,17 @@ def evaluate(
             (b, len(batches[b]), _sums(batch, fn, env.device, len(batches[b])))
             for b, batch in zip(mine, loader, strict=True)
         ]
+        most = len(range(0, len(batches), env.world_size))  # rank 0's
+        if any(is_sharded(m) for m in models) and len(mine) < most:
+            fn(
+                to_device(
+                    next(iter(DataLoader(dataset, batch_sampler=[list(batches[0])], **kwargs))), env.device
+                )
+            )
     finally:
         for model, mode in zip(models, modes, strict=True):
             model.train(mode)
+            reshard(model)
     everyone: list[list | None] = [None] * env.world_size
     dist.all_gather_object(everyone, parts)
     ordered = sorted(part for rank_parts in everyone for part in rank_parts)

@@ -7,10 +7,12 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.checkpoint.dcp import is_sharded_entry
 from ddpkit.checkpoint.files import save_weights as save_atomic
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+from ddpkit.run.sharded import is_sharded
 
 
 def check_same_model(model: nn.Module, env: DistEnv) -> None:
@@ -37,7 +39,10 @@ def check_same_model(model: nn.Module, env: DistEnv) -> None:
 
 
 def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -> None:
-    """The checkpoint's weights into ``model``, or one line saying it holds another model."""
+    """The checkpoint's weights into ``model``, or one line saying it holds another model. A
+    sharded checkpoint's come once the model is sharded (``sharded_state.load_model``)."""
+    if is_sharded_entry(weights):
+        return
     mine, theirs = model.state_dict(), weights
     missing = [k for k in mine if k not in theirs]
     unexpected = [k for k in theirs if k not in mine]
@@ -52,7 +57,16 @@ def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -
     model.load_state_dict(weights)
 
 
-def save_weights(module: nn.Module, path: Path) -> None:
-    """Rank 0: the bare model's state_dict to ``path`` (loadable with ``weights_only=True``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_atomic(module.state_dict(), path)
+def save_weights(module: nn.Module, path: Path, env: DistEnv) -> None:
+    """The bare model's state_dict to ``path`` from rank 0 (loadable with ``weights_only=True``).
+    All ranks call it: a sharded model's full state dict is gathered from every rank first, by
+    torch's ``get_model_state_dict`` (plain keys, full tensors on rank 0's CPU)."""
+    if is_sharded(module):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif env.is_rank0:
+        state = module.state_dict()
+    if env.is_rank0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_atomic(state, path)

@@ -34,6 +34,7 @@ from ddpkit.run.optim import OptimizerGate
 from ddpkit.run.registry import DictState, kind_of, new_name
 from ddpkit.run.seeding import seed_everything
 from ddpkit.run.session import Session
+from ddpkit.run.sharded_state import load_model
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class Run:
             load_weights(unwrap(model), weights, name, self.session.resume_path)
         self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
         wrapped = wrap(model, self.env, self.engine_cfg)
+        load_model(self.session.resume_path, name, weights, unwrap(wrapped))  # a sharded checkpoint's
         self.models[name], self.objects[name] = wrapped, unwrap(wrapped)
         self.track(*optimizers)
         return wrapped
@@ -272,9 +274,8 @@ class Run:
         if self.cycle.closed:
             return
         self.cycle.finish_run()
-        if self.env.is_rank0 and self.out is not None:
-            for name, model in self.models.items():
-                save_weights(unwrap(model), self.out / f"{name}.pt")
+        for name, model in self.models.items() if self.out is not None else ():
+            save_weights(unwrap(model), self.out / f"{name}.pt", self.env)  # all ranks: fsdp gathers
         self.close(plot=True)
 
     def close(self, plot: bool = False) -> None:

@@ -17,7 +17,9 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.run import Run
+from ddpkit.run.engine import unwrap
 from ddpkit.run.metrics import read_metrics
+from ddpkit.run.sharded import is_sharded
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.job import task_name
 from ddpkit.train.schedule import warmup_cosine_schedule
@@ -135,7 +137,9 @@ class Trainer:
                 f"{logged[-1]['loss']:.3f}; wrote {out / 'model.pt'}",
                 flush=True,
             )
-        text = self.task.finish(self.model.module) if self.task.finish else None
+        # A sharded model cannot run here: its shards' process group is closed (sample OUT/model.pt).
+        model = unwrap(self.model)
+        text = self.task.finish(model) if self.task.finish and not is_sharded(model) else None
         if text is not None:
             print(f"--- sample ---\n{text}\n--------------", flush=True)
             (out / "sample.txt").write_text(text, encoding="utf-8")

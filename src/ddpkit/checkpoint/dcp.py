@@ -1,0 +1,85 @@
+"""Sharded checkpoints: every rank writes its shards through torch.distributed.checkpoint (DCP),
+inside the same atomic, verified checkpoint folder as a full one.
+
+A sharded checkpoint folder::
+
+    step-00000100/   state.pt  (rank 0: step, generators, loader, every unsharded object;
+                                each sharded entry is the marker SHARDED)
+                     .metadata  __0_0.distcp  __1_0.distcp ...  (DCP: every rank's shards)
+                     manifest.json  (sha256 of all of them, written last)
+
+Rank 0 makes the hidden temporary folder and broadcasts its name, every rank writes its shards
+into it with DCP (``sync_files``: each file fsynced), and once DCP's own gather says every rank
+has written, rank 0 writes state.pt and the manifest of every file and renames the folder into
+place (``store.commit_save``). A kill at any point leaves a hidden folder that is never loaded.
+DCP reshards on load, so the checkpoint resumes on any number of processes. The folder must be
+one every rank can read and write (a shared filesystem across machines), as DCP requires.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit.checkpoint.manifest import STATE
+from ddpkit.checkpoint.store import CheckpointError, begin_save, commit_save
+
+# What state.pt holds in place of a part whose tensors are in the DCP files.
+SHARDED = {"ddpkit_sharded": "torch.distributed.checkpoint"}
+
+
+def is_sharded_entry(value: object) -> bool:
+    """True for the marker of a part saved through DCP."""
+    return isinstance(value, dict) and value.get("ddpkit_sharded") == SHARDED["ddpkit_sharded"]
+
+
+def save_sharded(
+    directory: Path, step: int, state: dict | None, shards: dict[str, Any], rank0: bool, keep_last: int
+) -> Path | None:
+    """Checkpoint ``shards`` (name -> a Stateful: ``state_dict()`` of DTensors) through DCP on every
+    rank and ``state`` (rank 0's; None elsewhere) beside them, atomically. Collective.
+
+    Returns:
+        The checkpoint folder on rank 0, None on the other ranks.
+    """
+    import torch.distributed.checkpoint as dcp  # a second of imports, for sharded runs only
+
+    chosen: list = [None, None]
+    if rank0:
+        try:
+            chosen = [begin_save(directory, step, state, keep_last), None]
+        except Exception as exc:  # every rank raises it, instead of waiting in DCP for rank 0
+            chosen = [None, f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[1] is not None:
+        raise CheckpointError(f"cannot start the sharded checkpoint of step {step}: {chosen[1]}")
+    final, tmp = chosen[0]
+    try:
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    except BaseException:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not rank0:
+        return None
+    # dcp.save returns on rank 0 after its gather of every rank's write results: all files are in.
+    files = tuple(sorted(p.name for p in tmp.iterdir() if p.name != STATE))
+    return commit_save(final, tmp, step, state, keep_last, files)
+
+
+def load_sharded(path: str | Path, shards: dict[str, Any]) -> None:
+    """Load the DCP part of the checkpoint at ``path`` into ``shards`` (name -> Stateful), resharded
+    to this run's ranks. Collective. The folder was verified against its manifest when it was chosen."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(shards, storage_reader=dcp.FileSystemReader(str(path)))
+
+
+def saved_keys(path: str | Path) -> set[str]:
+    """The flattened keys (``model.h.0.attn.c_attn.weight``) the DCP part at ``path`` holds."""
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)

@@ -1,0 +1,140 @@
+"""What of a Run's checkpoint goes through torch.distributed.checkpoint, and how it comes back.
+
+A sharded model (``engine="fsdp"``) and every optimizer over its parameters are saved by all ranks
+through DCP (``checkpoint/dcp.py``), each through torch's ``get_model_state_dict`` /
+``get_optimizer_state_dict`` (parameter names as keys, DTensor shards as values) and restored with
+``set_model_state_dict`` / ``set_optimizer_state_dict``; the rest of the checkpoint stays in
+rank 0's state.pt. Names as keys make the DCP part loadable into the same model sharded over
+another number of ranks, or unsharded (a fsdp checkpoint resumes a torch or native run too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.checkpoint.dcp import is_sharded_entry, load_sharded, saved_keys
+from ddpkit.errors import ConfigError
+from ddpkit.run.sharded import is_sharded, reshard
+
+
+class ModelState:
+    """A module as DCP's Stateful: its state by parameter name (DTensor shards when sharded)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state)
+
+
+class OptimizerState:
+    """An optimizer over ``module``'s parameters as DCP's Stateful, its state keyed by their names."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        with _ungated(self.optimizer):
+            return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        with _ungated(self.optimizer):
+            set_optimizer_state_dict(self.module, self.optimizer, state)
+
+
+@contextlib.contextmanager
+def _ungated(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    # torch initializes an optimizer without state by a step at lr 0; that step is not the run's
+    # (no clip, no step counted), so it bypasses the gate as the GradScaler's own call does.
+    optimizer.ddpkit_inner = True
+    try:
+        yield
+    finally:
+        optimizer.ddpkit_inner = False
+
+
+def sharded_parts(objects: dict[str, Any]) -> dict[str, Any]:
+    """name -> Stateful for every sharded model and every optimizer over one's parameters; {} when
+    no model is sharded (then the whole checkpoint is rank 0's state.pt, as ever)."""
+    models = {name: obj for name, obj in objects.items() if isinstance(obj, nn.Module) and is_sharded(obj)}
+    if not models:
+        return {}
+    for module in models.values():
+        reshard(module)  # the registered parameters are the shards again, after a forward of the user's
+    parts: dict[str, Any] = {name: ModelState(module) for name, module in models.items()}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            owner = _owner(name, obj, objects)
+            if owner is not None and is_sharded(owner):
+                parts[name] = OptimizerState(owner, obj)
+    return parts
+
+
+def _owner(name: str, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> nn.Module | None:
+    """The registered model holding all of ``optimizer``'s parameters."""
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for obj in objects.values():
+        if isinstance(obj, nn.Module) and ids <= {id(p) for p in obj.parameters()}:
+            return obj
+    if any(isinstance(obj, nn.Module) and is_sharded(obj) for obj in objects.values()):
+        raise ConfigError(
+            f"optimizer {name!r} holds parameters of no single model set up by the run (or of several); "
+            "with engine='fsdp' give each model run.setup and its own optimizer over its parameters"
+        )
+    return None
+
+
+def load_model(path: str | None, name: str, saved: object, module: nn.Module) -> None:
+    """``run.setup``: a sharded checkpoint's weights into ``module``, once it is sharded (or not:
+    DCP gives a plain model the full tensors). Collective; nothing when ``saved`` is not sharded."""
+    if not is_sharded_entry(saved):
+        return
+    part = ModelState(module)
+    theirs = {key.split(".", 1)[1] for key in saved_keys(path) if key.startswith(f"{name}.")}
+    mine = set(part.state_dict())
+    if mine - theirs or (theirs - mine and not any(k.startswith("state.") for k in theirs)):
+        first = sorted(mine - theirs or theirs - mine)[0]
+        raise ConfigError(
+            f"cannot resume {name!r} from {path}: it holds another model ({len(mine - theirs)} of this "
+            f"model's tensors missing, {len(theirs - mine)} unknown; first {first!r}); resume from a "
+            "checkpoint of this model, or start a new out"
+        )
+    load_sharded(path, {name: part})
+
+
+def restore_parts(path: str, saved: dict[str, Any], objects: dict[str, Any]) -> set[str]:
+    """At the loop's first batch: the DCP part of every optimizer that has one; returns the names
+    of every part the DCP files hold (their models came back at ``run.setup``). Collective."""
+    names = {name for name, value in saved.items() if is_sharded_entry(value)}
+    parts: dict[str, Any] = {}
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        owner = _owner(name, obj, objects)
+        if name in names:
+            parts[name] = OptimizerState(owner, obj)
+        elif owner is not None and is_sharded(owner):
+            raise ConfigError(
+                f"cannot resume optimizer {name!r} from {path}: it was saved unsharded (engine torch or "
+                "native) and this run shards its model; resume it with the engine that wrote it"
+            )
+    if parts:
+        load_sharded(Path(path), parts)
+    return names
