@@ -113,3 +113,19 @@ def test_an_uncaught_config_error_in_a_plain_script_is_one_line_and_exit_code_2(
     assert config.stderr.startswith("ddpkit: error: ddpkit.Run got unknown options ['global_bach']")
     assert len(config.stderr.splitlines()) == 1, config.stderr
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "RuntimeError: a real bug" in bug.stderr
+
+
+def test_workers_under_a_tmpdir_too_long_for_their_socket_are_one_line_not_a_hang(monkeypatch):
+    # With TMPDIR 95 characters long, 2 workers died binding their socket ("AF_UNIX path too
+    # long", in a feeder thread) and the loop waited for their first batch for ever.
+    monkeypatch.setattr("tempfile.tempdir", "/tmp/" + "x" * 90)
+    run = ddpkit.Run(global_batch=4, progress=False)
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    try:
+        with pytest.raises(ConfigError, match=r"TMPDIR='/tmp/x+' is 95 characters.*at most 75 characters"):
+            run.loader(data, num_workers=2)
+        with pytest.raises(ConfigError, match="is 95 characters"):
+            run.evaluate(data, lambda batch: batch[1].mean(), num_workers=1)
+        assert len(list(run.loader(data, num_workers=0))) == 2  # no workers, no socket
+    finally:
+        run.finish()

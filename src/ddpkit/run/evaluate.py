@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from ddpkit.data.workers import check_socket_dir
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.micro import to_device
@@ -54,6 +55,7 @@ def evaluate(
     """
     if reduce not in ("mean", "sum"):
         raise ConfigError(f"reduce={reduce!r} must be 'mean' or 'sum'")
+    check_socket_dir(num_workers)
     batches = [
         range(start, min(start + batch_size, len(dataset))) for start in range(0, len(dataset), batch_size)
     ]

@@ -24,6 +24,7 @@ from torch.utils.data import (
 )
 
 from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
+from ddpkit.data.workers import check_socket_dir
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import DataConfig, check_split
@@ -242,6 +243,7 @@ def dataloader_kwargs(
         raise ConfigError(f"num_workers={num_workers} is below 0; use 0 (load in this process) or more")
     if num_workers == 0 and (persistent_workers or prefetch_factor is not None):
         raise ConfigError("persistent_workers and prefetch_factor need num_workers >= 1")
+    check_socket_dir(num_workers)
     kwargs = {
         "num_workers": num_workers,
         "pin_memory": pin_memory,
