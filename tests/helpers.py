@@ -1,8 +1,11 @@
-"""Helpers shared by the tests: run a function on N gloo ranks, list leftover processes."""
+"""Helpers shared by the tests: run a function on N gloo ranks, list leftover processes, run a
+script under ``ddpkit run`` and read its metrics."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,3 +69,34 @@ def primed_ddpkit(host: str, port: int, wait: float, *args: str) -> list[str]:
     """The command line of `python -m ddpkit ARGS` that, imports done, first waits up to ``wait``
     seconds for HOST:PORT to accept a connection."""
     return [sys.executable, "-c", _PRIMED, host, str(port), str(wait), *args]
+
+
+def ddpkit_run(
+    script: Path, out: Path, nproc: int, *extra: str, code: int = 0, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``ddpkit run --nproc N SCRIPT --out OUT EXTRA...``, asserting its exit code."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "--nproc",
+        str(nproc),
+        str(script),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done
+
+
+def metric_lines(out: Path) -> list[dict]:
+    """Every line of OUT/metrics.jsonl."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged_losses(out: Path) -> list[float]:
+    """The loss of every step line of OUT/metrics.jsonl."""
+    return [line["loss"] for line in metric_lines(out) if "loss" in line]

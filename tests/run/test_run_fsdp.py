@@ -12,11 +12,11 @@ import collections
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ddpkit_run, logged_losses, metric_lines
 
 from ddpkit.checkpoint.inspect import inspect_path
 
@@ -28,29 +28,7 @@ KILL_IN_SAVE = 8  # mid-epoch 1 (steps 6 to 10); the checkpoint of step 6 is the
 
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "run",
-        "--nproc",
-        str(nproc),
-        str(SCRIPT),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    return done
-
-
-def _lines(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(out: Path) -> list[float]:
-    return [line["loss"] for line in _lines(out) if "loss" in line]
+    return ddpkit_run(SCRIPT, out, nproc, *extra, code=code, timeout=300)
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -83,14 +61,14 @@ def killed(tmp_path_factory) -> Path:
 
 
 def test_the_same_losses_and_weights_on_1_2_and_3_processes(runs):
-    reference = _losses(runs["fsdp-1"])
+    reference = logged_losses(runs["fsdp-1"])
     assert len(reference) == STEPS
     for name in ("fsdp-2", "fsdp-3"):
-        assert _losses(runs[name]) == pytest.approx(reference, rel=1e-5), name
+        assert logged_losses(runs[name]) == pytest.approx(reference, rel=1e-5), name
         for key, value in _weights(runs["fsdp-1"]).items():
             torch.testing.assert_close(_weights(runs[name])[key], value, rtol=1e-4, atol=1e-5, msg=key)
     # run.evaluate over uneven shards (2 and 1 batches on 2 ranks) kept the ranks in step.
-    accuracies = [[line["val_acc"] for line in _lines(runs[n]) if "val_acc" in line] for n in runs]
+    accuracies = [[line["val_acc"] for line in metric_lines(runs[n]) if "val_acc" in line] for n in runs]
     assert all(acc == pytest.approx(accuracies[0]) for acc in accuracies) and len(accuracies[0]) == 3
 
 
@@ -101,7 +79,7 @@ def test_model_pt_is_the_full_copy_engines(runs):
     for key, value in full.items():
         assert not hasattr(sharded[key], "placements"), f"{key} is still a DTensor"
         torch.testing.assert_close(sharded[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    assert _losses(runs["fsdp-2"]) == pytest.approx(_losses(runs["torch-2"]), rel=1e-5)
+    assert logged_losses(runs["fsdp-2"]) == pytest.approx(logged_losses(runs["torch-2"]), rel=1e-5)
 
 
 def test_a_checkpoint_killed_mid_write_is_never_loaded_and_the_rerun_is_bit_equal(runs, killed, tmp_path):
@@ -114,7 +92,7 @@ def test_a_checkpoint_killed_mid_write_is_never_loaded_and_the_rerun_is_bit_equa
     assert f"resumed from {out / 'checkpoints' / f'step-{KILL_IN_SAVE - 2:08d}'}" in done.stdout
     whole = _weights(runs["fsdp-2"])
     assert all(torch.equal(_weights(out)[k], v) for k, v in whole.items()), "the rerun's model differs"
-    assert _losses(out) == _losses(runs["fsdp-2"])
+    assert logged_losses(out) == logged_losses(runs["fsdp-2"])
     # ddpkit inspect reads a sharded checkpoint: its manifest covers every rank's DCP files.
     assert inspect_path(out / "checkpoints") == 0
 

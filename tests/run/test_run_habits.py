@@ -6,7 +6,6 @@ without micro_batch despite its own clip_grad_norm_, and every epoch's run.log v
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ddpkit_run, logged_losses, metric_lines
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +38,7 @@ def _cmd(out: Path, nproc: int, *extra: str) -> list[str]:
 
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
-    done = subprocess.run(_cmd(out, nproc, *extra), capture_output=True, text=True, timeout=240)
-    assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
-def _lines(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(out: Path) -> list[float]:
-    return [line["loss"] for line in _lines(out) if "loss" in line]
+    return ddpkit_run(SCRIPT, out, nproc, *extra, code=code, timeout=240)
 
 
 def _weights(out: Path) -> dict:
@@ -74,15 +64,15 @@ def runs(tmp_path_factory) -> dict:
 def test_the_same_losses_and_weights_on_1_2_and_3_processes(runs):
     # Random flips and jitter drawn in 2 DataLoader workers: seeded per sample, so every world
     # size draws the same ones (before: 4.7e-2 relative apart).
-    reference = _losses(runs["1"])
+    reference = logged_losses(runs["1"])
     assert len(reference) == STEPS
     # The schedule is sized by EPOCHS * len(loader) and ends where it would on one device.
-    lrs = [line["lr"] for line in _lines(runs["1"]) if "loss" in line]
+    lrs = [line["lr"] for line in metric_lines(runs["1"]) if "loss" in line]
     assert lrs == pytest.approx([1e-2 * min(1, (s + 1) / 3) * (STEPS - s) / STEPS for s in range(STEPS)])
     for name in ("2", "3", "2-micro"):
-        assert [line["lr"] for line in _lines(runs[name]) if "loss" in line] == lrs, name
+        assert [line["lr"] for line in metric_lines(runs[name]) if "loss" in line] == lrs, name
     for name in ("2", "3"):
-        assert _losses(runs[name]) == pytest.approx(reference, rel=1e-5), name
+        assert logged_losses(runs[name]) == pytest.approx(reference, rel=1e-5), name
         for key, value in _weights(runs["1"]).items():
             torch.testing.assert_close(_weights(runs[name])[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
@@ -90,16 +80,16 @@ def test_the_same_losses_and_weights_on_1_2_and_3_processes(runs):
 def test_own_clip_under_micro_batch_gives_the_same_update(runs):
     # The loop's clip_grad_norm_ runs after every micro-batch's backward; only the step's last one
     # sees a gradient (the whole step's), as without micro_batch (before: 6.8e-2 apart).
-    assert _losses(runs["2-micro"]) == pytest.approx(_losses(runs["2"]), rel=1e-5)
+    assert logged_losses(runs["2-micro"]) == pytest.approx(logged_losses(runs["2"]), rel=1e-5)
     for key, value in _weights(runs["2"]).items():
         torch.testing.assert_close(_weights(runs["2-micro"])[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_every_epochs_logged_value_has_a_line_of_its_own(runs):
     for out in runs.values():
-        logged = [(line["step"], line["epoch"]) for line in _lines(out) if "val_acc" in line]
+        logged = [(line["step"], line["epoch"]) for line in metric_lines(out) if "val_acc" in line]
         assert logged == [(5, 0), (10, 1), (15, 2)], out.name
-        assert all("val_acc" not in line for line in _lines(out) if "loss" in line)
+        assert all("val_acc" not in line for line in metric_lines(out) if "loss" in line)
 
 
 def test_kill_and_rerun_with_a_len_sized_schedule_is_bit_equal(runs, tmp_path):
@@ -111,9 +101,9 @@ def test_kill_and_rerun_with_a_len_sized_schedule_is_bit_equal(runs, tmp_path):
     assert "resumed from" in done.stdout
     whole = _weights(runs["2"])
     assert all(torch.equal(_weights(out)[k], v) for k, v in whole.items()), "the rerun's model differs"
-    assert _losses(out) == _losses(runs["2"])
-    assert [line["val_acc"] for line in _lines(out) if "val_acc" in line] == [
-        line["val_acc"] for line in _lines(runs["2"]) if "val_acc" in line
+    assert logged_losses(out) == logged_losses(runs["2"])
+    assert [line["val_acc"] for line in metric_lines(out) if "val_acc" in line] == [
+        line["val_acc"] for line in metric_lines(runs["2"]) if "val_acc" in line
     ]
 
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_ranks
+from helpers import ddpkit_run, logged_losses, run_ranks
 from torch.utils.data import IterableDataset
 
 import ddpkit
@@ -28,25 +27,7 @@ SCRIPT = Path(__file__).with_name("stream_script.py")
 
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "run",
-        "--nproc",
-        str(nproc),
-        str(SCRIPT),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return ddpkit_run(SCRIPT, out, nproc, *extra, code=code, timeout=240)
 
 
 def _weights(out: Path) -> dict:
@@ -62,22 +43,22 @@ def test_a_huggingface_stream_killed_and_rerun_is_bit_equal(tmp_path):
     assert "resumed from" in done.stdout and "step-00000004" in done.stdout
     whole, cut = _weights(tmp_path / "whole"), _weights(tmp_path / "cut")
     assert all(torch.equal(cut[k], v) for k, v in whole.items()), "the rerun's model differs"
-    assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
-    assert len(_losses(tmp_path / "whole")) == 16  # 2 passes of 8 full global batches of 12
+    assert logged_losses(tmp_path / "cut") == logged_losses(tmp_path / "whole")
+    assert len(logged_losses(tmp_path / "whole")) == 16  # 2 passes of 8 full global batches of 12
 
 
 def test_a_shard_source_is_world_size_invariant_and_resumes_on_another_world_size(tmp_path):
     runs = {n: tmp_path / f"on{n}" for n in (1, 2, 3)}
     for nproc, out in runs.items():
         _run(out, nproc, "--source", "shards")
-    reference = _losses(runs[1])
+    reference = logged_losses(runs[1])
     assert len(reference) == 18  # 2 epochs of 100 samples in global batches of 12 (the last of 4)
     for nproc in (2, 3):
-        assert _losses(runs[nproc]) == pytest.approx(reference, rel=1e-5), nproc
+        assert logged_losses(runs[nproc]) == pytest.approx(reference, rel=1e-5), nproc
     moved = tmp_path / "2to3"
     _run(moved, 2, "--source", "shards", "--kill-at", "6", code=1)
     _run(moved, 3, "--source", "shards")
-    assert _losses(moved) == pytest.approx(reference, rel=1e-5)
+    assert logged_losses(moved) == pytest.approx(reference, rel=1e-5)
     for key, value in _weights(runs[2]).items():
         torch.testing.assert_close(_weights(moved)[key], value, rtol=1e-5, atol=1e-6)
 
