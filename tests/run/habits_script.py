@@ -12,10 +12,13 @@ what the same script means on one device:
 7. an EMA of the weights (``AveragedModel``) is updated after every ``optimizer.step()``;
 8. the loop keeps its own state after each epoch (best accuracy, epochs without improvement),
    written with the EMA to OUT/extras.pt at the end;
-9. the first layer is frozen before ``run.setup`` and unfrozen at epoch 1 (fine-tuning's recipe).
+9. the first layer is frozen before ``run.setup`` and unfrozen at epoch 1 (fine-tuning's recipe);
+10. with ``--plateau``, a ReduceLROnPlateau on the validation accuracy instead of the per-step
+    schedule, and early stopping after two epochs without improvement, over at most 8 epochs.
 
 Flags: --out, --micro-batch N, --kill-at STEP (rank 0 SIGKILLs itself after that step),
---rank0-save.
+--kill-in-epoch-end EPOCH (rank 0 SIGKILLs itself after that epoch's plateau step, before the
+loop's counters), --rank0-save, --plateau.
 """
 
 import argparse
@@ -58,8 +61,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--kill-in-epoch-end", type=int, default=-1)
     parser.add_argument("--rank0-save", action="store_true")
+    parser.add_argument("--plateau", action="store_true")
     args = parser.parse_args()
+    epochs = 8 if args.plateau else EPOCHS
 
     run = ddpkit.Run(
         out=args.out, global_batch=12, micro_batch=args.micro_batch, save_every=2, log_every=1,
@@ -70,12 +76,15 @@ def main() -> None:
     model = run.setup(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = run.loader(Flips(60, seed=0), num_workers=2)
-    total = EPOCHS * len(loader)  # the schedule's length, as on one device
+    total = epochs * len(loader)  # the schedule's length, as on one device
     # Linear warm-up and decay, HF's get_linear_schedule_with_warmup written out: the length lives
     # in the closure, not in the scheduler's state_dict, so a resume keeps whatever len() said.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / 3) * max(0.0, (total - step) / total)
     )
+    if args.plateau:  # stepped after each epoch with the validation accuracy instead
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
     ema = torch.optim.swa_utils.AveragedModel(
         run.objects["model"], multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
     )
@@ -84,7 +93,7 @@ def main() -> None:
     held_out = Flips(30, seed=1)
     held_out = TensorDataset(held_out.x, held_out.y)
 
-    for epoch in range(loader.epoch, EPOCHS):
+    for epoch in range(loader.epoch, epochs):
         if epoch == 1:
             net[1].requires_grad_(True)
         model.train()
@@ -94,7 +103,8 @@ def main() -> None:
             run.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
             optimizer.step()
-            scheduler.step()
+            if not args.plateau:
+                scheduler.step()
             ema.update_parameters(model)
             if run.step == args.kill_at and run.rank == 0 and run.at_step_end:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -102,6 +112,10 @@ def main() -> None:
             held_out, lambda batch: (model(batch[0]).argmax(1) == batch[1]).float().mean()
         )
         run.log(val_acc=accuracy["value"])
+        if args.plateau:
+            scheduler.step(accuracy["value"])
+        if epoch == args.kill_in_epoch_end and run.rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
         better = accuracy["value"] > loop["best"]
         loop["best"], loop["bad_epochs"] = (
             max(loop["best"], accuracy["value"]),
@@ -110,6 +124,8 @@ def main() -> None:
         loop["validations"] += 1
         if args.rank0_save and run.rank == 0:
             run.save()
+        if args.plateau and loop["bad_epochs"] >= 2:
+            break  # early stopping
     if run.is_main:
         torch.save({"ema": ema.state_dict(), "loop": loop}, os.path.join(args.out, "extras.pt"))
     run.finish()

@@ -2,12 +2,15 @@
 answer under ddpkit.Run: the same losses on 1, 2 and 3 processes with random flips in DataLoader
 workers, a bit-equal kill-and-rerun with a schedule sized by len(loader), the same weights with and
 without micro_batch despite its own clip_grad_norm_, and every epoch's run.log value in its own line.
+With --plateau (issue 26's script: validation, ReduceLROnPlateau, early stopping, an EMA under
+micro_batch, the dataset's own generator, a layer unfrozen at epoch 1): the same on 1, 2 and 3
+processes, bit-equal after a kill inside or right after the epoch-end code, and the finished
+command run again changes nothing.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,21 +23,6 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("habits_script.py")
 STEPS = 15  # 3 epochs of 60 samples in global batches of 12
 EPOCHS = 3
-
-
-def _cmd(out: Path, nproc: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "run",
-        "--nproc",
-        str(nproc),
-        str(SCRIPT),
-        "--out",
-        str(out),
-        *extra,
-    ]
 
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
@@ -125,16 +113,61 @@ def test_an_ema_and_the_loops_own_state_are_the_same_on_any_world_size_and_micro
             torch.testing.assert_close(extras["ema"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
-def test_killed_right_after_an_epoch_the_rerun_has_run_its_epoch_end_code_once(runs, tmp_path):
-    # Killed at step 11, epoch 2's first: resumed from step 10, epoch 1's last, whose checkpoint
-    # once came before epoch 1's validation and loop state (the rerun never ran them).
-    out = tmp_path / "cut"
-    _run(out, 2, "--kill-at", "11", code=1)
-    _run(out, 2)
-    whole, cut = _extras(runs["2"]), _extras(out)
-    assert cut["loop"] == whole["loop"]
-    assert all(torch.equal(cut["ema"][k], v) for k, v in whole["ema"].items()), "the rerun's EMA differs"
-    assert all(torch.equal(_weights(out)[k], v) for k, v in _weights(runs["2"]).items())
+@pytest.fixture(scope="module")
+def plateau_runs(tmp_path_factory) -> dict:
+    """--plateau (ReduceLROnPlateau and early stopping) on 1 process, on 2 with micro-batches of 2,
+    and on 3."""
+    root = tmp_path_factory.mktemp("plateau")
+    outs = {}
+    for name, nproc, extra in [("1", 1, ()), ("2-micro", 2, ("--micro-batch", "2")), ("3", 3, ())]:
+        outs[name] = root / name
+        _run(outs[name], nproc, "--plateau", *extra)
+    return outs
+
+
+def _lrs(out: Path) -> list[float]:
+    return [line["lr"] for line in metric_lines(out) if "loss" in line]
+
+
+def test_a_plateau_and_early_stopping_loop_is_the_same_on_1_2_and_3_processes(plateau_runs):
+    # Validation, a plateau scheduler, early stopping, an EMA under micro_batch, the dataset's own
+    # generator in 2 workers and a layer unfrozen at epoch 1: the same run on every world size.
+    reference = _extras(plateau_runs["1"])
+    assert reference["loop"]["validations"] == 6 and reference["loop"]["bad_epochs"] == 2  # stopped at 6 of 8
+    assert sorted(set(_lrs(plateau_runs["1"])), reverse=True) == [1e-2, 5e-3]  # halved after epoch 4
+    for name in ("2-micro", "3"):
+        extras = _extras(plateau_runs[name])
+        assert extras["loop"] == reference["loop"], name
+        assert _lrs(plateau_runs[name]) == _lrs(plateau_runs["1"]), name
+        assert logged_losses(plateau_runs[name]) == pytest.approx(logged_losses(plateau_runs["1"]), rel=1e-5)
+        for key, value in reference["ema"].items():
+            torch.testing.assert_close(extras["ema"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+        for key, value in _weights(plateau_runs["1"]).items():
+            torch.testing.assert_close(
+                _weights(plateau_runs[name])[key], value, rtol=1e-5, atol=1e-6, msg=key
+            )
+
+
+@pytest.mark.parametrize("kill", [("--kill-in-epoch-end", "4"), ("--kill-at", "26")])
+def test_killed_in_or_right_after_the_epoch_end_code_the_rerun_is_bit_equal(plateau_runs, tmp_path, kill):
+    # Inside epoch 4's end code (after the plateau halved the rate, before the loop's counters), or
+    # at step 26, the next epoch's first: the rerun runs epoch 4's end exactly once. Step 26 once
+    # resumed from a checkpoint taken before epoch 4's validation, which the rerun then never ran.
+    # Then the finished command, run again, changes nothing.
+    out, command = tmp_path / "cut", ("--plateau", "--micro-batch", "2")
+    _run(out, 2, *command, *kill, code=1)
+    assert "resumed from" in _run(out, 2, *command).stdout
+    whole = plateau_runs["2-micro"]
+    assert _extras(out)["loop"] == _extras(whole)["loop"]
+    assert all(torch.equal(_extras(out)["ema"][k], v) for k, v in _extras(whole)["ema"].items()), (
+        "EMA differs"
+    )
+    assert all(torch.equal(_weights(out)[k], v) for k, v in _weights(whole).items()), "the model differs"
+    assert logged_losses(out) == logged_losses(whole) and _lrs(out) == _lrs(whole)
+    if kill[0] == "--kill-at":
+        written = (out / "model.pt").read_bytes()
+        again = _run(out, 2, *command)
+        assert "nothing to do" in again.stdout and (out / "model.pt").read_bytes() == written
 
 
 def test_a_checkpoint_on_rank_0_only_is_reported_not_a_silent_hang(tmp_path, short_tmpdir):
