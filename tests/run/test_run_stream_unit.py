@@ -51,7 +51,31 @@ def test_a_datasets_stream_with_a_shuffle_buffer_is_refused_at_the_loader_in_one
     try:
         with pytest.raises(ddpkit.ConfigError, match=r"shuffle\(buffer_size=8\).*inexact_resume=True"):
             run.loader(stream)
-        loader = run.loader(stream, inexact_resume=True)  # the user's choice, said out loud
-        assert sum(len(batch["x"]) for batch in loader) == 40
     finally:
         run.finish()
+
+
+def _shuffled_stream(out, capfd, kill_at: int | None = None) -> list[str]:
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"x": [[float(i)] for i in range(40)]})
+    stream = table.to_iterable_dataset(num_shards=2).shuffle(seed=0, buffer_size=8).with_format("torch")
+    run = ddpkit.Run(out=out, global_batch=4, save_every=2, progress=False)
+    model = run.setup(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run.track(optimizer)
+    for batch in run.loader(stream, inexact_resume=True):  # the user's choice, said out loud
+        run.backward(model(batch["x"]).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        if run.step == kill_at:
+            run.close()
+            break
+    else:
+        run.finish()
+    return [line for line in capfd.readouterr().err.splitlines() if "ddpkit.run.stream" in line]
+
+
+def test_with_inexact_resume_a_shuffled_stream_runs_and_its_resume_says_so_once(tmp_path, capfd):
+    assert _shuffled_stream(tmp_path, capfd, kill_at=5) == []
+    said = _shuffled_stream(tmp_path, capfd)
+    assert len(said) == 1 and "(8 samples a rank) is not in its checkpoint" in said[0]

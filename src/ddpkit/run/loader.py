@@ -107,29 +107,32 @@ def make_source(
     if is_stream(dataset):
         if weights is not None:
             raise ConfigError("run.loader(weights=...) needs a map-style dataset; a stream has no indices")
-        if not inexact:
-            check_exact_resume(dataset)
+        if (buffer := shuffle_buffer(dataset)) is not None and not inexact:
+            raise ConfigError(
+                f"this datasets stream is shuffled with .shuffle(buffer_size={buffer}), whose buffer is "
+                "not in its state_dict: a resumed run would skip up to that many samples a rank and "
+                "read others in another order; shuffle before streaming "
+                "(Dataset.shuffle(seed).to_iterable_dataset()), or use ddpkit.data.Shards, or pass "
+                "run.loader(..., inexact_resume=True) to accept it"
+            )
         check_split(global_batch, env.world_size)
-        return StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs, phase)
+        source = StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs, phase)
+        source.inexact_buffer = buffer
+        return source
     sampler = make_sampler(dataset, global_batch, env, cfg, seed, shuffle, weights)
     return MapSource(dataset, sampler, cfg.micro_batch, kwargs)
 
 
-def check_exact_resume(stream: Any) -> None:
-    """Refuse a stream whose ``state_dict`` cannot give the position back: a HuggingFace stream
-    shuffled with ``.shuffle(buffer_size=N)`` leaves its buffer out (``datasets`` refills it on
-    load), so a resumed run would skip up to N samples a rank and read others in another order."""
+def shuffle_buffer(stream: Any) -> int | None:
+    """The buffer size of a HuggingFace stream shuffled with ``.shuffle(buffer_size=N)``, whose
+    ``state_dict`` leaves the buffer out (``datasets`` refills it on load): a resumed run would
+    skip up to N samples a rank and read others in another order. None for any other stream."""
     node = getattr(stream, "_ex_iterable", None)  # datasets' chain of iterables, outermost first
     while node is not None:
         if type(node).__name__ == "BufferShuffledExamplesIterable":
-            raise ConfigError(
-                f"this datasets stream is shuffled with .shuffle(buffer_size={node.buffer_size}), whose "
-                "buffer is not in its state_dict: a resumed run would skip up to that many samples a "
-                "rank and read others in another order; shuffle before streaming "
-                "(Dataset.shuffle(seed).to_iterable_dataset()), or use ddpkit.data.Shards, or pass "
-                "run.loader(..., inexact_resume=True) to accept it"
-            )
+            return node.buffer_size
         node = getattr(node, "ex_iterable", None)
+    return None
 
 
 def is_stream(data: Any) -> bool:

@@ -137,6 +137,7 @@ class StreamSource:
         self._boundary: dict | None = None  # the dataloader's state at the last step boundary
         self._pending: dict | None = None  # a saved position to load before the next pass
         self._told = False  # the position is loaded at run.loader and again at the first batch
+        self.inexact_buffer: int | None = None  # run.loader(inexact_resume=True) of a shuffled stream
 
     @property
     def steps_per_epoch(self) -> None:
@@ -214,6 +215,13 @@ class StreamSource:
         self.epoch, self.steps_in_epoch = state["epoch"], state["steps"]
         if self.stateful:
             self._pending = state["stream"]
+            if self.inexact_buffer is not None and not self._told and self.env.is_rank0:
+                self._told = True  # run.loader(inexact_resume=True) of a shuffled stream
+                log.warning(
+                    "the stream's shuffle buffer (%d samples a rank) is not in its checkpoint: this "
+                    "resumed run skips what it held and reads the rest in another order",
+                    self.inexact_buffer,
+                )
         elif not self._told and self.env.is_rank0:
             self._told = True
             log.warning(
