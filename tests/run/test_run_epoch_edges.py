@@ -284,6 +284,29 @@ def test_requires_grad_changed_inside_a_step_or_to_nothing_is_one_line(engine, w
         run.close()
 
 
+def test_unfrozen_after_an_epoch_then_a_forward_with_grad_before_the_next_step_is_not_mid_step():
+    # Validation written without torch.no_grad() after the unfreezing line: a forward between steps.
+    run = ddpkit.Run(global_batch=4, micro_batch=2, progress=False)
+    net = Net()
+    net.backbone.requires_grad_(False)
+    model = run.setup(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    loader = run.loader(_data())
+    before = net.backbone.weight.detach().clone()
+    try:
+        for epoch in range(2):
+            for x, y in loader:
+                run.backward(F.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            net.backbone.requires_grad_(epoch == 0)
+            model(_data().tensors[0])  # grad enabled, between steps
+    finally:
+        run.finish()
+    assert not torch.equal(net.backbone.weight, before), "the unfrozen backbone never trained"
+
+
 class OwnTorchGenerator(torch.utils.data.Dataset):
     def __init__(self) -> None:
         self.gen = torch.Generator().manual_seed(3)

@@ -30,7 +30,7 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.engine import set_grad_sync, step_began
+from ddpkit.run.engine import mark_step, set_grad_sync
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.micro import Micro, to_device
 from ddpkit.run.monitor import Monitor
@@ -134,7 +134,7 @@ class StepCycle:
         self.epoch, self.source, self.step = source.epoch, source, self.step + 1
         self.open, self.indices = True, []
         self.gate.has_backward, self.gate.stepped, self.gate.step = False, False, self.step
-        step_began(self.models.values(), self.step)
+        mark_step(self.models.values(), self.step)
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
         return True
 
@@ -188,6 +188,7 @@ class StepCycle:
         self.monitor.samples_taken(self.step, self.indices)
         self.monitor.step_ended()
         self.micro, self.open, self.unsettled = None, False, True
+        mark_step(self.models.values(), None)
         self.gate.accumulating = self.gate.has_backward = False
 
     def finish(self, last: bool = False) -> None:

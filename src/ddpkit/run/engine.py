@@ -48,7 +48,7 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
     engines = {"native": _native, "fsdp": shard, "torch": _TorchEngine}
     wrapped = engines[cfg.engine](model, env, cfg)
-    wrapped.ddpkit_trainable, wrapped.ddpkit_step, wrapped.ddpkit_forward_step = trainable, 0, -1
+    wrapped.ddpkit_trainable, wrapped.ddpkit_step, wrapped.ddpkit_forward_step = trainable, None, None
     if cfg.precision != "fp32" and cfg.engine != "fsdp":  # fsdp's precision is its own policy
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
         # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
@@ -108,7 +108,9 @@ class _RunEngine:
         the same forward. A change in the middle of a step (after its first forward) would leave
         the step's earlier micro-batches out of the new parameters' gradients: one line instead.
         """
-        first = self.ddpkit_step != self.ddpkit_forward_step  # this step's first training forward
+        # Between steps (None), or this step's first training forward: a change is the user's
+        # freezing or unfreezing after an epoch or before a step; later in a step it is not.
+        first = self.ddpkit_step is None or self.ddpkit_step != self.ddpkit_forward_step
         self.ddpkit_forward_step = self.ddpkit_step
         now = tuple(p.requires_grad for p in self.module.parameters())
         if now == self.ddpkit_trainable:
@@ -118,9 +120,10 @@ class _RunEngine:
             raise _trainable_error(self.module, self.ddpkit_trainable, model, self.ddpkit_step)
         self.replan()
         self.ddpkit_trainable = now
+        where = "between steps" if self.ddpkit_step is None else f"step {self.ddpkit_step}"
         if dist.get_rank() == 0:
             print(
-                f"ddpkit: step {self.ddpkit_step}: {model} now trains {sum(now)} of {len(now)} "
+                f"ddpkit: {where}: {model} now trains {sum(now)} of {len(now)} "
                 "parameters (requires_grad changed); the engine syncs those from here on",
                 flush=True,
             )
@@ -278,7 +281,8 @@ def local_forwards(models: list[nn.Module]) -> Iterator[None]:
             setattr(model, flag, value)
 
 
-def step_began(models: Iterable[nn.Module], step: int) -> None:
-    """Tell each engine the step whose first training forward comes next (see _follow_trainable)."""
+def mark_step(models: Iterable[nn.Module], step: int | None) -> None:
+    """Tell each engine the step whose training forwards come next, None between steps (see
+    ``_follow_trainable``)."""
     for model in models:
         model.ddpkit_step = step
