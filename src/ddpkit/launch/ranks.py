@@ -23,6 +23,7 @@ Stopping, in the main thread (the only one Python lets handle signals):
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -84,7 +85,6 @@ class LocalRanks:
         """Start the processes and wait for all; raise what torch's join raises when one fails."""
         previous = self._handle_signals()
         try:
-            self.thread.start()
             try:
                 self._wait()
             except Signalled as stop:
@@ -95,7 +95,18 @@ class LocalRanks:
             self._release()
 
     def _wait(self) -> None:
-        self.started.wait()
+        # A forked child shares this process's objects, garbage from an earlier cell included (an
+        # exception's traceback holding a TCPStore): a collection there runs their destructors, and
+        # a TCPStore's joins a server thread the child does not have (a hang) and closes descriptors
+        # it shares with this process. Frozen objects are never collected, in the children either.
+        if self.method == "fork":
+            gc.freeze()
+        try:
+            self.thread.start()
+            self.started.wait()
+        finally:
+            if self.method == "fork":
+                gc.unfreeze()  # only the children's copies stay frozen
         if self.start_error is not None:
             raise self.start_error
         while not self.context.join():
@@ -128,7 +139,8 @@ class LocalRanks:
     def _stop(self, sig: signal.Signals) -> None:
         """Forward ``sig``, wait up to the grace period, kill what is left; raise with one line."""
         self.stopping = True
-        self.started.wait()
+        if self.thread.ident is not None:  # started: wait for every process to be there
+            self.started.wait()
         processes = self.context.processes if self.context is not None else []
         started = time.monotonic()
         for process in processes:
@@ -162,6 +174,8 @@ class LocalRanks:
     def _release(self) -> None:
         """Nothing outlives the launch: what still runs (an error in the launcher) is killed, then
         the starting thread may end."""
+        if self.thread.ident is None:
+            return
         self.started.wait()
         self._kill_all()
         self.done.set()
