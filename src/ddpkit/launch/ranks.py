@@ -133,7 +133,7 @@ class LocalRanks:
             self._kill_all()
             raise self._ended(signal.Signals(signum), "stopped by a second signal: the processes were "
                               "killed at once; a checkpoint being written is abandoned, the previous good "
-                              "one stays")  # fmt: skip
+                              "one stays") from None  # fmt: skip
         raise Signalled(signum)
 
     def _stop(self, sig: signal.Signals) -> None:
@@ -153,7 +153,7 @@ class LocalRanks:
         ends = [how_it_ended(p.exitcode) for p in processes if p not in late]
         line = describe(sig, sig, ends, len(late), took, self.grace_s, grace_flag="",
                         resume=RESUME)  # fmt: skip
-        raise self._ended(sig, line)
+        raise self._ended(sig, line) from None  # the one line; not the Signalled it handles
 
     @staticmethod
     def _ended(sig: signal.Signals, line: str) -> BaseException:
