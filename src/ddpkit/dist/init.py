@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.dist.env import DistEnv, read_launcher_vars
-from ddpkit.dist.threads import cpu_cores, warn_if_oversubscribed
+from ddpkit.dist.threads import share_cores, warn_if_oversubscribed
 from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,7 @@ def init_distributed(
     device = _device_for(chosen, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "OMP_NUM_THREADS" not in os.environ:  # a user's (or the launcher's) choice stands
-        torch.set_num_threads(max(1, cpu_cores() // local_world_size))
+    share_cores(local_world_size)
     _init_group(chosen, init_method or found.init_method, rank, world_size, timeout)
     if device.type == "cpu":  # once per process, here, rather than a collective in every engine
         warn_if_oversubscribed()

@@ -30,6 +30,17 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def share_cores(local_world_size: int) -> None:
+    """Give this process its share of the host's cores, ``cores // local_world_size`` intra-op
+    threads, unless ``OMP_NUM_THREADS`` is set (a user's or the launcher's choice stands).
+
+    Args:
+        local_world_size: processes of the job on this host.
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, cpu_cores() // local_world_size))
+
+
 def oversubscription(threads: int, local_processes: int, cores: int) -> str | None:
     """Why this host's CPU is oversubscribed by threads and how to fix it, or None when it is not.
 

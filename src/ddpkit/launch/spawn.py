@@ -1,7 +1,9 @@
-"""The mp.spawn launcher: N processes on this machine, for notebooks, tests and small scripts.
+"""The in-process launcher: N processes on this machine, for notebooks, tests and small scripts.
 
 Each child gets the same variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, ...), so a
-function that calls ``ddpkit.init_distributed()`` runs unchanged under ``ddpkit run`` too.
+function that calls ``ddpkit.init_distributed()`` runs unchanged under ``ddpkit run`` too. The
+children are spawned, or forked when ``fn`` comes from a notebook cell (``start_method.py``);
+``ranks.py`` starts them, waits, and stops them on SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch.multiprocessing as mp
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LaunchError, is_peer_failure
 from ddpkit.launch.hang_monitor import watchdog_verdict
+from ddpkit.launch.ranks import LocalRanks, enter_rank
+from ddpkit.launch.start_method import start_method
 from ddpkit.launch.stores import LOOPBACK, bound_store
 from ddpkit.launch.uncaught import install_excepthook
 
@@ -29,8 +33,13 @@ STORE_TIMEOUT_S = 300.0  # for this process's own client of the store, which it 
 def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` new processes and return what each rank returned.
 
-    ``fn`` must be defined at module level (it is pickled into the children). When one child
-    fails, the others are terminated within seconds and a ``LaunchError`` names the rank.
+    ``fn`` is defined at module level of an importable file (the children are spawned and import
+    it), or in a notebook cell or another ``__main__`` without a file (the children are forked;
+    then CUDA must not be initialized in this process yet). When one child fails, the others are
+    terminated within seconds and a ``LaunchError`` names the rank. SIGINT (Ctrl-C, a kernel
+    interrupt) or SIGTERM goes to every child; a ``ddpkit.Run`` finishes its step and checkpoints
+    it, what still runs 30 s later is killed, and ``KeyboardInterrupt`` (SIGINT) or ``SystemExit``
+    (SIGTERM) says what became of each child.
 
     Args:
         fn: the function each process runs; it calls ``ddpkit.init_distributed()`` itself.
@@ -40,13 +49,14 @@ def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list
     install_excepthook()  # the caller's script: a ConfigError it leaves uncaught is one line
     if not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc must be a positive integer, got {nproc!r}")
+    method = start_method(fn, args)
     # This process hosts the ranks' store, on loopback alone: a TCPStore rank 0 opened itself would
     # listen on every interface, and it has no authentication (see ddpkit.launch.stores).
     store = bound_store(LOOPBACK, 0, STORE_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as results:
-        child_args = (fn, tuple(args), nproc, store.port, results)
+        child_args = (fn, tuple(args), nproc, store.port, results, os.getpid())
         try:
-            mp.start_processes(_child, args=child_args, nprocs=nproc, join=True, start_method="spawn")
+            LocalRanks(_child, child_args, nproc, method).run()
         except mp.ProcessRaisedException as exc:
             rank, detail = _first_failure(Path(results), exc)
             raise LaunchError(rank, detail) from None
@@ -77,7 +87,10 @@ def _first_failure(results: Path, exc: mp.ProcessRaisedException) -> tuple[int, 
     return rank, detail
 
 
-def _child(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, results: str) -> None:
+def _child(
+    local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, results: str, launcher: int
+) -> None:
+    enter_rank(launcher, nproc)
     install_excepthook()  # a fresh interpreter (spawn): a run starts here
     # The launcher's job is to set these, exactly as torchrun does; dist/ reads them.
     os.environ.update(

@@ -207,9 +207,18 @@ class StopOnSignal:
 
 
 def describe(
-    sig: signal.Signals, forward: signal.Signals, ends: list[str], late: int, took: float, grace_s: float
+    sig: signal.Signals,
+    forward: signal.Signals,
+    ends: list[str],
+    late: int,
+    took: float,
+    grace_s: float,
+    *,
+    grace_flag: str = "--grace-period",
+    resume: str = "",
 ) -> str:
-    """One line: what the signal did to the workers, and the launcher's exit code."""
+    """One line: what the signal did to the workers, and how to resume (by default: the same
+    command, and the launcher's exit code); ``grace_flag`` names what sets the grace period, if anything."""
     by_itself = [e for e in ends if not e.startswith("SIG")]
     by_signal = [e for e in ends if e.startswith("SIG")]
     sent = "" if forward == sig else f" (sent {forward.name})"
@@ -227,11 +236,13 @@ def describe(
         )
     if late:
         parts.append(
-            f"{_workers(range(late))}{sent} still running after the {grace_s:g} s grace period, killed "
-            "(--grace-period sets it)"
+            f"{_workers(range(late))}{sent} still running after the {grace_s:g} s grace period, killed"
+            + (f" ({grace_flag} sets it)" if grace_flag else "")
         )
     code = exit_code_for_signal(sig)
-    resume = f"the same command resumes from the newest checkpoint the script wrote (exit code {code})"
+    resume = resume or (
+        f"the same command resumes from the newest checkpoint the script wrote (exit code {code})"
+    )
     return f"stopped by {sig.name}: " + "; ".join([*parts, resume])
 
 
