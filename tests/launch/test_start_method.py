@@ -35,8 +35,12 @@ def _from_cell(main: types.ModuleType):
     return namespace["work"], namespace["Net"]
 
 
-def test_a_script_spawns_as_before():
-    # pytest's own __main__ has a file: whatever it defines, spawn's children re-import it.
+def test_a_script_spawns_as_before(monkeypatch):
+    # A script's __main__ has a file: whatever it defines, spawn's children re-import it. (Set here:
+    # an xdist worker's own __main__ is execnet's, without one.)
+    script = types.ModuleType("__main__")
+    script.__file__ = "/work/train.py"
+    monkeypatch.setitem(sys.modules, "__main__", script)
     assert start_method(importable, (1,)) == SPAWN
     assert start_method(lambda n: n) == SPAWN  # as before: spawn's own pickling error names it
 
