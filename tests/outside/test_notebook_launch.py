@@ -43,6 +43,10 @@ pytest.importorskip(
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 LOOP = Path(__file__).with_name("notebook_loop.py").read_text()
+# docs/notebooks.md's first two Python blocks, as written: the cell defining work, the one launching it.
+DOCS_CELLS = re.findall(
+    r"```python\n(.*?)```", (Path(__file__).parents[2] / "docs" / "notebooks.md").read_text(), re.S
+)[:2]
 STEPS = 30  # notebook_loop.py: 3 epochs of 10 global batches
 INTERRUPT_AFTER = 6  # metrics lines (one per step) before the kernel is interrupted
 PAUSE_S = 0.1  # per step of the interrupted run: time to interrupt it mid-run
@@ -57,13 +61,8 @@ CELLS = {
     "a = torch.randn(1000, 1000)\n"
     "for _ in range(3):\n"
     "    a = torch.tanh(a @ a)  # OpenMP's pool runs on every core in the kernel's main thread",
-    "work": "def work(n):\n"
-    "    env = ddpkit.init_distributed()\n"
-    "    t = torch.tensor([float(env.rank + n)])\n"
-    "    torch.distributed.all_reduce(t)\n"
-    "    ddpkit.destroy()\n"
-    "    return t.item()\n\n"
-    "print(ddpkit.launch(work, nproc=2, args=(10,)))",
+    "docs-define": DOCS_CELLS[0],
+    "docs-launch": DOCS_CELLS[1],
     "loop": LOOP,
     "whole": "print(ddpkit.launch(train, nproc=2, args=({whole!r}, 0.0, True)))",
     "fail": "def fails(n):\n"
@@ -133,7 +132,7 @@ def notebook(tmp_path_factory) -> Notebook:
     script.write_text(LOOP + "\nimport sys\n\ntrain(sys.argv[1])\n")
     values = {"whole": str(root / "whole"), "resumed": str(root / "resumed"), "pause": PAUSE_S}
     names = list(CELLS)
-    sources = [CELLS[n] if n == "loop" else CELLS[n].format(**values) for n in names]
+    sources = [CELLS[n] if n == "loop" or n.startswith("docs") else CELLS[n].format(**values) for n in names]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=True,
@@ -181,9 +180,9 @@ def _assert_same_run(notebook: Notebook, name: str) -> None:
     assert {s["threads"] for s in _starts(notebook.root / name)} == threads  # float sums depend on it
 
 
-def test_a_function_from_a_cell_runs_on_two_processes(notebook):
-    assert "work" not in notebook.errors, notebook.shown["work"]
-    assert notebook.shown["work"].strip().splitlines()[-1] == "[21.0, 21.0]"  # (10 + 0) + (10 + 1) on each
+def test_the_docs_function_from_a_cell_runs_on_two_processes_as_written(notebook):
+    assert not {"docs-define", "docs-launch"} & set(notebook.errors), notebook.shown
+    assert notebook.shown["docs-launch"].strip().splitlines()[-1] == "[30.0, 30.0]"  # 10 * 1 + 10 * 2
 
 
 def test_a_run_loop_in_a_cell_equals_ddpkit_run(notebook):
