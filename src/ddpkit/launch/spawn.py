@@ -110,11 +110,19 @@ def _child(
         result = fn(*args)
     except BaseException as exc:
         consequence = is_peer_failure(exc)
-        with open(Path(results) / f"failure-rank{local_rank}.pkl", "wb") as f:
-            pickle.dump((consequence, time.time(), local_rank, traceback.format_exc().strip()), f)
+        failure = (consequence, time.time(), local_rank, traceback.format_exc().strip())
+        _write(Path(results) / f"failure-rank{local_rank}.pkl", failure)
         raise
-    with open(Path(results) / f"rank{local_rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
+    _write(Path(results) / f"rank{local_rank}.pkl", result)
+
+
+def _write(path: Path, value: Any) -> None:
+    """Whole or not at all: a rank stopped mid-write (SIGTERM once a peer failed) leaves no
+    truncated file for the launcher to read (it once raised EOFError instead of the LaunchError)."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        pickle.dump(value, f)
+    os.replace(part, path)
 
 
 def _load_result(results: Path, rank: int) -> Any:
