@@ -63,9 +63,8 @@ def save_checkpoint(directory: str | Path, step: int, state: dict, keep_last: in
 
 
 def begin_save(directory: str | Path, step: int, state: dict, keep_last: int) -> tuple[Path, Path]:
-    """Check the arguments, remove what interrupted saves left, and make the hidden temporary
-    folder a checkpoint is written into; returns ``(final, tmp)``. A sharded save has every rank
-    write its files into ``tmp`` before ``commit_save``."""
+    """Check the arguments, remove what interrupted saves left, and make the hidden folder a
+    checkpoint is written into: ``(final, tmp)``; a sharded save's ranks write there first."""
     _check_save_args(step, state, keep_last)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -295,10 +294,7 @@ def resolve_resume(directory: str | Path, resume: str) -> Path | None:
     problems = verify_checkpoint(path)
     if problems:
         inside = list_checkpoints(path)
-        hint = (
-            f"it holds checkpoints, such as {inside[-1]}, so pass one of them"
-            if inside
-            else "pass another checkpoint directory, auto or never"
-        )
+        hint = f"it holds checkpoints, such as {inside[-1]}, so pass one of them" if inside else ""
+        hint = hint or "pass another checkpoint directory, auto or never"
         raise ConfigError(f"--resume {resume!r} is not a good checkpoint ({'; '.join(problems)}); {hint}")
     return path

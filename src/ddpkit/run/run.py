@@ -1,10 +1,9 @@
 """``ddpkit.Run``: the front door for a user's own training loop.
 
-A thin facade: it builds the parts (the session, the monitor, the optimizer gate, the engine),
-registers what the user hands it under a name, and delegates each call of the loop to the step
-cycle (``run/cycle.py``), which owns where the run is. Every collective (log lines,
-fingerprints, checkpoints) happens at a step boundary that every rank reaches in the same order,
-so a loop the user writes once cannot make ranks disagree.
+A thin facade: it builds the parts (session, monitor, optimizer gate, engine), registers what the
+user hands it under a name, and delegates each call of the loop to the step cycle (run/cycle.py),
+which owns where the run is. Every collective (log lines, fingerprints, checkpoints) happens at a
+step boundary every rank reaches in the same order: one loop cannot make ranks disagree.
 """
 
 from __future__ import annotations
