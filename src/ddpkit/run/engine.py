@@ -136,14 +136,17 @@ class _TorchEngine(_RunEngine, DistributedDataParallel):
     """torch's DistributedDataParallel, naming parameters without a gradient."""
 
     def __init__(self, model: nn.Module, env: DistEnv, cfg: EngineConfig, init_sync: bool = True) -> None:
-        # torch 2.13 renamed broadcast_buffers to forward_sync_buffers and warns about the old name.
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        # torch 2.13 renamed broadcast_buffers to forward_sync_buffers and warns about the old name;
+        # init_sync (skip the constructor's collectives) came in late 2024: older ones always sync.
+        known = inspect.signature(DistributedDataParallel).parameters
+        renamed = "forward_sync_buffers" in known
+        sync = {"init_sync": init_sync} if "init_sync" in known else {}
         super().__init__(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             bucket_cap_mb=cfg.bucket_cap_mb,
             find_unused_parameters=cfg.find_unused_parameters,
-            init_sync=init_sync,
+            **sync,
             **{"forward_sync_buffers" if renamed else "broadcast_buffers": cfg.broadcast_buffers},
         )
         if cfg.compression is not None:
