@@ -1,4 +1,5 @@
-"""Every test leaves no process, environment variable or process group behind; slow files run first."""
+"""Every test leaves no process, environment variable or process group behind; slow files run first;
+a test that hangs past its timeout ends its test process with every thread's stack shown."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hang_watchdog import pytest_configure, pytest_runtest_protocol, pytest_terminal_summary  # noqa: E402, F401
 from helpers import descendants  # noqa: E402
 
 
