@@ -5,7 +5,7 @@ holds the GIL, nor on a teardown after it fired once: CI then waited out its own
 name. faulthandler's watchdog needs neither: past the timeout and a margin it writes every thread's
 stack to a file and ends the process; xdist reports the test as crashed (and, with
 ``--max-worker-restart 0``, stops rather than running it again), and the summary shows the stacks.
-Loaded by tests/conftest.py; tests/test_hang_watchdog.py checks it on a test that hangs.
+Loaded by tests/conftest.py; tests/test_suite_hang_stop.py checks it on a test that hangs.
 """
 
 from __future__ import annotations
