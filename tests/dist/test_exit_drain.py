@@ -15,19 +15,19 @@ import pytest
 
 SCRIPT = """
 import os, torch, torch.distributed as dist
-from ddpkit.dist import init as dist_init
+from ddpkit.dist import gloo_threads, init as dist_init
 from ddpkit.launch import free_port
 os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 for profile in (False, True):
     os.environ["MASTER_PORT"] = str(free_port())
     dist_init.init_distributed("gloo")
     dist.all_reduce(torch.ones(3))  # gloo starts its worker threads at the first collective
-    alive = dist_init._gloo_worker_threads()
+    alive = len(gloo_threads.gloo_worker_threads())
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             dist.all_reduce(torch.ones(3))
     dist_init.destroy()
-    print(alive, dist_init._gloo_worker_threads())
+    print(alive, len(gloo_threads.gloo_worker_threads()))
 """
 
 

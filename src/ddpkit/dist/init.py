@@ -6,13 +6,13 @@ import atexit
 import gc
 import logging
 import os
-import time
 from datetime import timedelta
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
+from ddpkit.dist import gloo_threads
 from ddpkit.dist.env import DistEnv, read_launcher_vars
 from ddpkit.dist.threads import share_cores, warn_if_oversubscribed
 from ddpkit.errors import ConfigError
@@ -213,8 +213,13 @@ def set_collective_timeout(timeout: timedelta) -> None:
 
 
 def destroy() -> None:
-    """Leave the process group; safe to call twice or when none was created."""
+    """Leave the process group; safe to call twice or when none was created.
+
+    Gloo's worker threads are let go idle first (``gloo_threads.settle``): whatever frees the
+    group later, a DDP model's Reducer included, then finds them waiting for work, not for the GIL.
+    """
     if dist.is_available() and dist.is_initialized():
+        gloo_threads.settle()
         dist.destroy_process_group()
 
 
@@ -230,28 +235,9 @@ def release_process_groups() -> None:
     ``torch.profiler`` keeps references to every group that existed while it ran (torch 2.13). A
     gloo worker thread of such a group drops the last collective's tensors a moment after the
     collective completes, and that drop takes the GIL; once the interpreter is shutting down, the
-    thread is made to exit there, which aborts the process the same way. While such threads
-    exist, the GIL is released for a moment, so a drop still pending happens now.
+    thread is made to exit there, which aborts the process the same way. So the threads are let
+    go idle before the collection (which may free a group) and after it.
     """
+    gloo_threads.settle()
     gc.collect()
-    if _gloo_worker_threads():
-        time.sleep(GLOO_DRAIN_S)
-
-
-GLOO_DRAIN_S = 0.1  # many times a drop's microseconds, also for a thread just descheduled
-
-
-def _gloo_worker_threads() -> int:
-    """The live gloo worker threads of this process (torch names them pt_gloo_runloop); 0 off Linux."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    count = 0
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm", encoding="ascii") as f:
-                count += f.read().strip() == "pt_gloo_runloop"
-        except OSError:  # the thread ended meanwhile
-            continue
-    return count
+    gloo_threads.settle()
