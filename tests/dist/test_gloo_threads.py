@@ -3,13 +3,13 @@
 The hangs it prevents (a DataLoader worker forked while a gloo thread held CPython's HEAD_LOCK; a
 group freed with the GIL held while a gloo thread waited for it) are races that took tens to
 hundreds of runs to appear, so these tests check the mechanism instead: a thread that torch would
-call a gloo worker (by its name) and that is still working keeps ``settle`` waiting.
+call a gloo worker (by its name) and that is still working keeps ``settle`` waiting, and every
+fork (a DataLoader's workers) runs it first.
 """
 
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
 import os
 import threading
 import time
@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.data import workers
 from ddpkit.dist import gloo_threads
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
@@ -67,23 +66,12 @@ def test_settle_gives_up_at_its_limit_on_a_thread_that_never_rests():
         thread.join()
 
 
-def test_a_forking_dataloader_starts_after_gloo_is_idle(monkeypatch):
+def test_every_fork_waits_for_gloo_first(monkeypatch):
     calls = []
-    monkeypatch.setattr(gloo_threads, "settle", lambda: calls.append("settle") or True)
-    data = torch.arange(4.0)
-    assert list(workers.start(torch.utils.data.DataLoader(data, num_workers=0))) == list(data)
-    assert calls == []  # nothing forks
-    forked = torch.utils.data.DataLoader(data, num_workers=1, multiprocessing_context="fork")
-    assert [float(x) for x in workers.start(forked)] == [0.0, 1.0, 2.0, 3.0] and calls == ["settle"]
-    workers.start(_SpawningLoader())  # its workers start from a fresh interpreter: nothing to wait for
-    assert calls == ["settle"]
-
-
-class _SpawningLoader:
-    num_workers, multiprocessing_context = 2, multiprocessing.get_context("spawn")
-
-    def __iter__(self):
-        return iter(())
+    monkeypatch.setattr(gloo_threads, "settle", lambda: calls.append(os.getpid()))
+    loader = torch.utils.data.DataLoader(torch.arange(4.0), num_workers=1, multiprocessing_context="fork")
+    assert [float(x) for x in loader] == [0.0, 1.0, 2.0, 3.0]  # a user's own DataLoader, not run.loader
+    assert calls == [os.getpid()]  # in the parent, before its one worker was forked
 
 
 @pytest.mark.skipif(dist.is_initialized(), reason="this process already has a group")

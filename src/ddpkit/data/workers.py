@@ -1,15 +1,11 @@
-"""What DataLoader workers need from the machine and the process that torch does not check."""
+"""What DataLoader workers need from the machine that torch does not check before they start."""
 
 from __future__ import annotations
 
-import multiprocessing
 import tempfile
-from collections.abc import Iterator
 
 import torch.multiprocessing
-from torch.utils.data import DataLoader
 
-from ddpkit.dist import gloo_threads
 from ddpkit.errors import ConfigError
 
 # A worker hands each batch over through a socket of Python's multiprocessing at
@@ -33,18 +29,3 @@ def check_socket_dir(num_workers: int) -> None:
             f"(workers would hang); set TMPDIR to a folder of at most {AF_UNIX_MAX - SOCKET_SUFFIX} "
             "characters (/tmp), or num_workers=0"
         )
-
-
-def start(dataloader: DataLoader) -> Iterator:
-    """``iter(dataloader)``, with gloo's worker threads idle first when it forks worker processes.
-
-    A fork while a gloo thread is creating a Python thread state leaves the DataLoader worker
-    hung before its first line on CPython 3.11 and older (see ddpkit.dist.gloo_threads)."""
-    if dataloader.num_workers > 0 and _start_method(dataloader) == "fork":
-        gloo_threads.settle()
-    return iter(dataloader)
-
-
-def _start_method(dataloader: DataLoader) -> str:
-    context = dataloader.multiprocessing_context or multiprocessing.get_context()
-    return context.get_start_method()

@@ -17,8 +17,10 @@ docs/troubleshooting.md):
 
 ``settle`` releases the GIL until every gloo worker thread of the process has stayed asleep, not
 scheduled once, through a short window in which the GIL was free. A thread that wanted the GIL
-would have taken it in that window, so what is left sleeps in gloo's own queue. ddpkit calls it
-before a DataLoader forks its workers, before leaving a process group, and at exit.
+would have taken it in that window, so what is left sleeps in gloo's own queue. It runs before
+every ``os.fork()`` of a process that imported ddpkit (registered here, at import, with
+``os.register_at_fork``: a DataLoader's workers, ddpkit's or the user's own, and any other fork;
+without gloo threads it returns at once), before ddpkit leaves a process group, and at exit.
 """
 
 from __future__ import annotations
@@ -79,3 +81,11 @@ def _read(task: str, name: str) -> str:
             return f.read()
     except OSError:  # the thread ended meanwhile, or no such file on this kernel
         return ""
+
+
+def _before_fork() -> None:
+    settle()  # looked up at each fork, so a test can replace it
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork)

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit.data import workers
 from ddpkit.data.workers import check_socket_dir
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
@@ -71,7 +70,7 @@ def evaluate(
     try:
         parts = [
             (b, len(batches[b]), _sums(batch, fn, env.device, len(batches[b])))
-            for b, batch in zip(mine, workers.start(loader), strict=True)
+            for b, batch in zip(mine, loader, strict=True)
         ]
         most = len(range(0, len(batches), env.world_size))  # rank 0's
         if any(is_sharded(m) for m in models) and len(mine) < most:

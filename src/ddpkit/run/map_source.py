@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit.data import workers
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.run.config import check_same_global_batch
 from ddpkit.run.micro import Micro
@@ -119,7 +118,7 @@ class MapSource:
         self._plan_sampler.plan, self._plan_sampler.epoch = plan, self.epoch
         self.dataloader.dataset.draws = None  # test again, each epoch, whether the dataset draws
         self._generator.manual_seed(hash((self.sampler.seed, self.epoch, self.sampler.state.consumed)))
-        fetch = functools.partial(next, workers.start(self.dataloader))
+        fetch = functools.partial(next, iter(self.dataloader))
         return ((micro, fetch) for micro in plan)
 
     def end_pass(self) -> None:

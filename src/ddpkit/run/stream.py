@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ddpkit.data import workers
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import check_same_global_batch
@@ -160,7 +159,7 @@ class StreamSource:
         dataset = self.dataloader.dataset
         if hasattr(dataset, "set_epoch"):  # HuggingFace: a new shuffle each pass
             dataset.set_epoch(self.epoch)
-        return self._micro_batches(workers.start(self.dataloader), self.steps_in_epoch)
+        return self._micro_batches(iter(self.dataloader), self.steps_in_epoch)
 
     def _micro_batches(self, batches: Iterator[Any], taken: int) -> Iterator[tuple[Micro, Callable[[], Any]]]:
         scale = self.size * self.env.world_size / self.global_batch
