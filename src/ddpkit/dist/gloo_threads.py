@@ -4,8 +4,8 @@ A gloo worker thread (torch names it ``pt_gloo_runloop``) that has just finished
 drops the tensors the collective held. Where a tensor also has a Python object, that drop takes
 the GIL; the thread has no Python thread state, so pybind11 first creates one (under CPython's
 interpreter lock, HEAD_LOCK, without the GIL) and deletes it after. Two hangs follow from that
-moment, both seen in this project's CI and reproduced by looping a test (the stacks are in
-docs/troubleshooting.md):
+moment, both seen in this project's CI and reproduced by looping a test (what the first looks
+like from outside is in docs/troubleshooting.md, under Hangs):
 
 - ``os.fork()`` (a DataLoader starting its worker processes at an epoch's start) while the thread
   holds HEAD_LOCK: CPython up to 3.11 re-takes that lock in the child before resetting it
@@ -29,8 +29,9 @@ import os
 import time
 
 GLOO_THREAD = "pt_gloo_runloop"
-WINDOW_S = 0.002  # free GIL for this long, twice the time a waiting thread needs to be woken
+WINDOW_S = 0.002  # the GIL is free this long; a thread waiting for it is woken when it is dropped
 LIMIT_S = 2.0  # never wait longer: a thread inside a collective may sleep for its whole timeout
+QUIET = ("S", "gone")  # asleep, or ended since it was listed (its group was freed meanwhile)
 
 
 def gloo_worker_threads() -> list[str]:
@@ -58,7 +59,7 @@ def settle(limit_s: float = LIMIT_S) -> bool:
     while True:
         time.sleep(WINDOW_S)
         after = _activity(threads)
-        if after == before and all(state == "S" for state, _ in after.values()):
+        if after == before and all(state in QUIET for state, _ in after.values()):
             return True
         if time.monotonic() > deadline:
             return False
