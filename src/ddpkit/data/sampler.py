@@ -122,9 +122,13 @@ class GlobalBatchSampler:
 
     def rank_slice(self, batch: list[int]) -> list[int]:
         """This rank's contiguous share of a global batch; shares differ by at most one sample."""
-        base, extra = divmod(len(batch), self.world_size)
-        start = self.rank * base + min(self.rank, extra)
-        return batch[start : start + base + (1 if self.rank < extra else 0)]
+        return batch[self.rank_start(len(batch)) : self.rank_start(len(batch), self.rank + 1)]
+
+    def rank_start(self, size: int, rank: int | None = None) -> int:
+        """Where ``rank``'s share (this rank's by default) of a global batch of ``size`` begins."""
+        base, extra = divmod(size, self.world_size)
+        rank = self.rank if rank is None else rank
+        return rank * base + min(rank, extra)
 
     @property
     def steps_per_epoch(self) -> int:

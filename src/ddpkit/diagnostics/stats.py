@@ -83,38 +83,47 @@ class Window:
         self.reset()
 
     def reset(self) -> None:
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._losses: list[Tensor] = []  # each micro-batch's mean loss, still on the device
-        self._weights: list[int] = []  # ... and its samples
+        self._loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum, weight)
+        self._losses: list[Tensor] = []  # each backward's loss, still on the device
+        self._weights: list[float] = []  # ... what it is multiplied by in the line's sum
+        self._denoms: list[float | Tensor] = []  # ... and what it adds to the line's denominator
         self.samples, self.start = 0, time.perf_counter()
         self.step_s: deque[float] = deque(maxlen=STEP_TIMES)  # the last steps' seconds, end to end
         self._at_start = (self.clock.data_s, self.clock.comm_wait_s)
 
-    def add_loss(self, loss: Tensor, samples: int) -> None:
-        """Count a micro-batch's mean loss (no host sync): appending costs less than adding."""
+    def add_loss(self, loss: Tensor, weight: float, denom: float | Tensor) -> None:
+        """Count a backward's loss as ``weight x loss`` over ``denom`` (no host sync): a micro-batch's
+        mean counts as samples x mean over samples, a token sum as the sum over its token count.
+        Appending costs less than adding."""
         loss = loss.detach()
         if loss.dim():
             if loss.numel() != 1:
                 raise ConfigError(
-                    f"run.backward takes a micro-batch's mean loss, one number; got shape "
+                    f"run.backward takes a micro-batch's loss, one number; got shape "
                     f"{tuple(loss.shape)}: reduce it first, e.g. loss.mean()"
                 )
             loss = loss.reshape(())
         self._losses.append(loss)
-        self._weights.append(samples)
+        self._weights.append(weight)
+        self._denoms.append(denom)
         if len(self._losses) == FOLD_LOSSES:
             self._fold()
 
     def loss_sum(self) -> Tensor:
-        """The window's sum of loss x samples, in float64 on the device."""
+        """(2,) float64 on the device: the window's weighted loss sum and its denominator."""
         self._fold()
         return self._loss_sum
 
     def _fold(self) -> None:
         if self._losses:
             weights = torch.tensor(self._weights, dtype=torch.float64).to(self.device, non_blocking=True)
-            self._loss_sum += torch.stack(self._losses).double() @ weights
-            self._losses, self._weights = [], []
+            self._loss_sum[0] += torch.stack(self._losses).double() @ weights
+            numbers = [d for d in self._denoms if not isinstance(d, Tensor)]
+            tensors = [d.detach().reshape(()).double() for d in self._denoms if isinstance(d, Tensor)]
+            self._loss_sum[1] += sum(numbers)
+            if tensors:
+                self._loss_sum[1] += torch.stack(tensors).to(self.device).sum()
+            self._losses, self._weights, self._denoms = [], [], []
 
     def step_ended(self) -> None:
         now = time.perf_counter()

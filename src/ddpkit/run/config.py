@@ -97,6 +97,11 @@ class EngineConfig:
             ``fully_shard`` (``Block``); empty: the default policy of docs/fsdp.md.
         reshard_after_forward: fsdp: free the gathered parameters after each block's forward and
             gather them again for backward (ZeRO-3, least memory); False keeps them until backward.
+        invariant_dropout: dropout-like modules (``nn.Dropout*``, ``drop_prob`` as timm's
+            DropPath) draw their masks per sample from (seed, step, the sample's place in the
+            global batch): the same on any world size and micro_batch (run/dropout.py).
+        dropout_batch_dim: the batch dimension of dropout's inputs (1 for ``nn.Transformer``
+            without ``batch_first``).
     """
 
     engine: str = "torch"
@@ -108,6 +113,8 @@ class EngineConfig:
     precision: str = "fp32"
     shard_modules: tuple[str, ...] = ()
     reshard_after_forward: bool = True
+    invariant_dropout: bool = False
+    dropout_batch_dim: int = 0
 
     def __post_init__(self) -> None:
         _choose("engine", self.engine, ENGINES)

@@ -31,7 +31,9 @@ from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.engine import mark_step, set_grad_sync
+from ddpkit.run.draws import SampleDraws
 from ddpkit.run.held_grads import HeldGrads
+from ddpkit.run.losses import StepLosses, check_differentiable
 from ddpkit.run.micro import Micro, to_device
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
@@ -54,11 +56,13 @@ class StepCycle:
         out: the run's folder (None: no files).
         ckpt_cfg: when to checkpoint, and the preemption signals.
         steps: the last step to run, or None.
+        draws: the per-sample keys of the loop's and the model's draws.
     """
 
     def __init__(
         self, session: Session, monitor: Monitor, gate: OptimizerGate, objects: dict[str, Any],
         models: dict[str, nn.Module], out: Path | None, ckpt_cfg: CheckpointConfig, steps: int | None,
+        draws: SampleDraws,
     ) -> None:  # fmt: skip
         self.session, self.env, self.monitor, self.gate = session, session.env, monitor, gate
         self.objects, self.models, self.out, self.ckpt_cfg, self.steps = objects, models, out, ckpt_cfg, steps
@@ -71,7 +75,10 @@ class StepCycle:
         # Between steps (before the loop's first and after each epoch's last) every rank is at the
         # same point, so run.log values from there are gathered for a line of their own.
         self.outside = True
-        self.held = HeldGrads(models)
+        self.held = gate.held = HeldGrads(models)
+        self.losses, self.draws = StepLosses(self.env), draws
+        self.cut: Micro | None = None  # the micro-batch the loop left its loader at, mid-step
+        self.resumed_at, self.warned_budget = self.step, False
         self.indices: list[int] = []
         self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
         self.replicas = ReplicaCheck(self.env, monitor.phase, models)
@@ -103,7 +110,11 @@ class StepCycle:
             batch = fetch()
             self.monitor.data(waited + time.perf_counter() - began)
             self.enter(micro)
-            yield to_device(batch, self.env.device) if move else batch
+            try:
+                yield to_device(batch, self.env.device) if move else batch
+            except GeneratorExit:  # the loop left (a break): say so if it cut a step or an epoch
+                self.left(micro, source)
+                raise
         if self.open:  # its boundary (log, check, checkpoint) waits for the epoch-end code
             self.close_step()
         self.outside = True
@@ -133,6 +144,7 @@ class StepCycle:
             self.outside = False
         self.epoch, self.source, self.step = source.epoch, source, self.step + 1
         self.open, self.indices = True, []
+        self.losses.reset()
         self.gate.has_backward, self.gate.stepped, self.gate.step = False, False, self.step
         mark_step(self.models.values(), self.step)
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
@@ -141,6 +153,7 @@ class StepCycle:
     def enter(self, micro: Micro) -> None:
         """The loop is about to get ``micro``'s batch."""
         self.micro = micro
+        self.draws.enter(self.step, micro)
         self.gate.accumulating = not micro.last
         self.monitor.micro_batch(micro.samples)
         if micro.samples and self.monitor.cfg.log_samples:
@@ -148,25 +161,51 @@ class StepCycle:
         if micro.first or micro.last:  # no_sync on all but the step's last micro-batch
             set_grad_sync(self.models.values(), micro.last)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``run.backward``: the micro-batch's mean loss scaled to its share of the step."""
+    def backward(self, loss: torch.Tensor, reduction: str, count: Any) -> None:
+        """``run.backward``: the micro-batch's loss scaled to its share of the step (losses.py)."""
+        check_differentiable(loss, self.models)
         micro = self.micro
-        scale = micro.scale if micro is not None else 1.0
-        if micro is not None:
-            self.monitor.loss(loss, micro.samples)
+        if micro is None:  # outside a run.loader loop: a plain backward
+            self.gate.has_backward = True
+            self.monitor.backward(self.gate.scaler.scale(loss / count if count is not None else loss))
+            return
+        scale = self.losses.add(loss, reduction, count, micro, self.monitor)
         self.gate.has_backward = True
-        self.held.restore()  # the step's earlier micro-batches' gradients, to add to
+        self.held.restore(micro.last)  # the step's earlier micro-batches' gradients, to add to
         self.monitor.backward(self.gate.scaler.scale(loss * scale if scale != 1.0 else loss))
-        if micro is not None and not micro.last:
+        if not micro.last:
             # Until the step's last backward, p.grad is None: a clip_grad_norm_ or any other edit
             # the user's loop makes before optimizer.step() then acts on the whole step's
             # all-reduced gradient, as without micro_batch, never on a partial local one.
             self.held.hold()
+        elif count is not None:  # now that the gradient is the step's sum: over the global count
+            self.losses.divide(self.models.values())
 
-    def log(self, metrics: dict[str, float | torch.Tensor]) -> None:
+    def log(self, metrics: dict[str, float | torch.Tensor], reduce: str) -> None:
         """``run.log``: for the step's metrics line, or between steps for a line of their own."""
+        if reduce not in ("mean", "sum"):
+            raise ConfigError(f"run.log(reduce={reduce!r}): use 'mean' (weighted by samples) or 'sum' (counts)")
+        micro = self.micro if self.open else None
+        weight = float(micro.samples) if micro is not None else 1.0
         for name, value in metrics.items():
-            self.monitor.add_user(name, value, between=not self.open)
+            self.monitor.add_user(name, value, weight, reduce, self.step if micro is not None else -1)
+
+    def left(self, micro: Micro, source: Any) -> None:
+        """The loop left its loader at ``micro`` (a ``break``): remember a cut step; on a resumed run
+        that leaves before the epoch's end, say once that a loop's own counter restarted at 0."""
+        if not micro.last:
+            self.cut = micro
+            return
+        per_epoch = source.steps_per_epoch
+        inside = per_epoch is not None and -(-micro.consumed // source.global_batch) < per_epoch
+        if self.resumed_at and inside and self.env.is_rank0 and not self.warned_budget:
+            self.warned_budget = True
+            log.warning(
+                "the loop left run.loader's loop at step %d, before the epoch's end, in a run resumed at "
+                "step %d: a loop that counts its own steps (if i == budget: break) counted from 0 again; "
+                "use ddpkit.Run(steps=N), compare with run.step, or track the counter (run.track(loop=state))",
+                self.step, self.resumed_at,
+            )  # fmt: skip
 
     def request_save(self) -> None:
         """``run.save``: checkpoint at the end of the current step (now, between steps)."""
@@ -181,8 +220,9 @@ class StepCycle:
 
     def close_step(self) -> None:
         """The open step's last micro-batch is done: its position moves on, its boundary waits."""
-        self.gate.check_stepped(self.step)
+        self.gate.check_stepped(self.step, self.cut)
         self.held.restore()  # a loop left mid-step: the gradients are the user's again
+        self.draws.leave()
         self.gate.scaler.update()
         self.source.advance_to(self.micro.consumed)
         self.monitor.samples_taken(self.step, self.indices)

@@ -89,8 +89,10 @@ class _RunEngine:
             return getattr(module, name)
 
     def forward(self, *inputs, **kwargs):
-        if torch.is_grad_enabled():
-            self._follow_trainable()
+        if torch.is_grad_enabled() and not self._follow_trainable():
+            # Every parameter frozen (a GAN's discriminator in the generator's pass): a plain
+            # forward, which prepares no all-reduce for gradients none of them will get.
+            return self.module(*inputs, **kwargs)
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as exc:
@@ -99,7 +101,7 @@ class _RunEngine:
                 raise
             raise _unused_error(names, type(unwrap(self)).__name__) from None
 
-    def _follow_trainable(self) -> None:
+    def _follow_trainable(self) -> bool:
         """Re-plan the engine when what requires grad changed since the last training forward.
 
         Each engine syncs the parameters trainable when it was built: a backbone frozen before
@@ -114,9 +116,11 @@ class _RunEngine:
         self.ddpkit_forward_step = self.ddpkit_step
         now = tuple(p.requires_grad for p in self.module.parameters())
         if now == self.ddpkit_trainable:
-            return
+            return True
+        if not any(now):
+            return False  # nothing to sync; a backward with nothing trainable is run.backward's line
         model = type(unwrap(self)).__name__
-        if not first or not any(now):
+        if not first:
             raise _trainable_error(self.module, self.ddpkit_trainable, model, self.ddpkit_step)
         self.replan()
         self.ddpkit_trainable = now
@@ -127,6 +131,7 @@ class _RunEngine:
                 "parameters (requires_grad changed); the engine syncs those from here on",
                 flush=True,
             )
+        return True
 
     def _get_name(self) -> str:  # print(model) shows the engine's own class name
         return next(c.__name__ for c in type(self).__mro__ if c in (DistributedDataParallel, DataParallel))
@@ -172,8 +177,6 @@ def _trainable_error(module: nn.Module, was: tuple[bool, ...], model: str, step:
     params = list(module.named_parameters())
     changed = next(name for (name, p), before in zip(params, was, strict=True) if p.requires_grad != before)
     what = f"requires_grad of {changed!r} of {model} changed in the middle of step {step}"
-    if not any(p.requires_grad for _, p in params):
-        what = f"every parameter of {model} is frozen at step {step}, so nothing trains"
     return ConfigError(
         f"{what}; freeze or unfreeze between steps (after an epoch, or before the step's first "
         "forward), so every rank's gradient covers the whole step"

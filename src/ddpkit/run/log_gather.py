@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ddpkit.diagnostics.stats import FIELDS, Window
 from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,11 @@ class LogGather:
     def start(self, step: int, window: Window, user: dict[str, list], extra: dict, signal: int) -> None:
         """Start gathering ``window`` (read, not reset) and ``user`` metrics as the line of ``step``."""
         now = time.perf_counter()
-        # (2 + len(FIELDS) + 3,): the loss sum stays on the device, so nothing waits for it here.
-        row = [0.0, float(window.samples), *window.spent(now), window.median_step_s(), float(bool(user))]
-        mine = torch.tensor([*row, float(signal)], dtype=torch.float64).to(self.env.device)
-        mine[:1].copy_(window.loss_sum())  # on the device, in float64: no sync
+        # (3 + len(FIELDS) + 3,): the loss sum and its denominator stay on the device, so nothing
+        # waits for them here.
+        row = [0.0, 0.0, float(window.samples), *window.spent(now), window.median_step_s()]
+        mine = torch.tensor([*row, float(bool(user)), float(signal)], dtype=torch.float64).to(self.env.device)
+        mine[:2].copy_(window.loss_sum())  # on the device, in float64: no sync
         rows = [torch.empty_like(mine) for _ in range(self.env.world_size)]
         work = dist.all_gather(rows, mine, async_op=True)
         self.pending = _InFlight(step, rows, work, now - window.start, extra, user)
@@ -59,23 +61,24 @@ class LogGather:
         gather, self.pending = self.pending, None
         gather.work.wait()
         # One transfer to Python lists: each tensor op on a few numbers costs more than the numbers.
-        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, 2 + len(FIELDS) + 3)
+        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, 3 + len(FIELDS) + 3)
         # Whether any rank logged metrics rode on the tensor gather, so the pickled gather of their
         # names and values (ranks may have logged different ones) runs only when there are some.
         means = gather_means(self.env, gather.user) if max(row[-2] for row in table) > 0 else {}
-        loss_sum, samples = sum(row[0] for row in table), int(sum(row[1] for row in table))
+        loss_sum, denom = sum(row[0] for row in table), sum(row[1] for row in table)
+        samples = int(sum(row[2] for row in table))
         record = {
             "step": gather.step,
-            "loss": loss_sum / max(samples, 1),
+            "loss": loss_sum / denom if denom else 0.0,
             "samples_per_s": samples / gather.elapsed,
             "time_s": gather.elapsed,
             # The slowest rank's median step in the window: what default log lines are paced by.
-            "step_s": max(row[2 + len(FIELDS)] for row in table),
+            "step_s": max(row[3 + len(FIELDS)] for row in table),
             **gather.extra,
             **means,
             # Each rank's seconds in this window: `ddpkit report` sums them over the lines.
             "ranks": [
-                {"rank": r, **{f: round(row[2 + i], 6) for i, f in enumerate(FIELDS)}}
+                {"rank": r, **{f: round(row[3 + i], 6) for i, f in enumerate(FIELDS)}}
                 for r, row in enumerate(table)
             ],
         }
@@ -83,17 +86,27 @@ class LogGather:
 
 
 def gather_means(env: DistEnv, logged: dict[str, list]) -> dict[str, float]:
-    """Each metric's mean over every value any rank logged (``name -> [sum, count]`` per rank).
+    """Each metric's value over every rank (``name -> [total, weight, reduce, steps]`` per rank):
+    ``mean``, the weighted mean (total / weight); ``sum``, the total per step it was logged in (over
+    the union of every rank's steps). A mean whose every value had weight 0 (only a rank without
+    samples logged it) is left out.
 
     Collective (all_gather_object): every rank calls it, also one that logged nothing.
     """
-    mine = {name: (float(total), count) for name, (total, count) in logged.items()}
+    mine = {name: (float(total), float(weight), how, sorted(steps)) for name, (total, weight, how, steps) in logged.items()}
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, mine)
-    totals: dict[str, list[float]] = {}
+    totals: dict[str, list] = {}
     for theirs in everyone:
-        for name, (total, count) in theirs.items():
-            both = totals.setdefault(name, [0.0, 0])
+        for name, (total, weight, how, steps) in theirs.items():
+            both = totals.setdefault(name, [0.0, 0.0, how, set()])
+            if both[2] != how:
+                raise ConfigError(f"run.log({name}=...) was logged with reduce={both[2]!r} and {how!r}; use one")
             both[0] += total
-            both[1] += count
-    return {name: total / count for name, (total, count) in totals.items()}
+            both[1] += weight
+            both[3].update(steps)
+    return {
+        name: total / weight if how == "mean" else total / max(len(steps), 1)
+        for name, (total, weight, how, steps) in totals.items()
+        if how == "sum" or weight > 0
+    }

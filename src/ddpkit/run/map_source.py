@@ -33,12 +33,14 @@ def plan_epoch(sampler: GlobalBatchSampler, micro_batch: int | None) -> list[Mic
         # all-reduce, with one sample at weight 0, or the other ranks would wait for it forever.
         weight, mine = (1.0, mine) if mine else (0.0, batch[:1])
         size = micro_batch or len(mine)
+        start = sampler.rank_start(len(batch)) if weight else 0  # a stand-in's labels stay in range
         chunks = [mine[i : i + size] for i in range(0, len(mine), size)]
         for i, chunk in enumerate(chunks):
             # chunk mean * len(chunk) is the chunk's sum; / len(batch) its share of the global
             # mean; * world_size undoes the engine's average over ranks.
             scale = weight * len(chunk) * sampler.world_size / len(batch)
-            plan.append(Micro(chunk, scale, int(weight) * len(chunk), i == 0, i == len(chunks) - 1, consumed))
+            first, last = i == 0, i == len(chunks) - 1
+            plan.append(Micro(chunk, scale, int(weight) * len(chunk), first, last, consumed, start + i * size))
     return plan
 
 

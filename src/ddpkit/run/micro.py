@@ -21,6 +21,8 @@ class Micro:
         last: the step's last micro-batch on this rank; its backward synchronizes gradients.
         consumed: the source's position once this step is done (samples of the epoch the world
             has taken, or a stream's steps in its pass); the cycle advances the source to it.
+        offset: the place of its first sample in the step's global batch (the key of per-sample
+            draws, run/draws.py).
     """
 
     indices: list[int]
@@ -29,6 +31,7 @@ class Micro:
     first: bool
     last: bool
     consumed: int
+    offset: int = 0
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

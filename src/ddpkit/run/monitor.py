@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ddpkit.diagnostics import HangWatchdog
 from ddpkit.diagnostics.stats import StepClock, Window, rank_table, stragglers
 from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
 from ddpkit.run.config import DiagnosticsConfig
 from ddpkit.run.log_gather import LogGather, gather_means
 from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
@@ -155,19 +156,25 @@ class Monitor:
         """A micro-batch of ``samples`` samples that count enters the loop."""
         self.window.samples += samples
 
-    def loss(self, loss: Tensor, samples: int) -> None:
-        """A micro-batch's mean loss, for the metrics line's mean over the global batch."""
-        self.window.add_loss(loss, samples)
+    def loss(self, loss: Tensor, weight: float, denom: float | Tensor) -> None:
+        """A backward's loss, for the metrics line: ``weight x loss`` over ``denom`` (see Window)."""
+        self.window.add_loss(loss, weight, denom)
 
     def backward(self, loss: Tensor) -> None:
         """Run backward of ``loss``, timing its local part (for the comm-wait split)."""
         self.clock.backward(loss)
 
-    def add_user(self, name: str, value: float | Tensor, between: bool = False) -> None:
-        """A run.log value: for the window's line, or (``between`` steps) for a line of its own."""
-        total = (self.between if between else self.user).setdefault(name, [0.0, 0])
-        total[0] += value.detach().double() if isinstance(value, Tensor) else float(value)
-        total[1] += 1
+    def add_user(self, name: str, value: float | Tensor, weight: float, reduce: str, step: int) -> None:
+        """A run.log value, weighted by the samples behind it: for the window's line, or (``step``
+        -1: between steps) for a line of its own. See ``gather_means``."""
+        entry = (self.between if step < 0 else self.user).setdefault(name, [0.0, 0.0, reduce, set()])
+        if entry[2] != reduce:
+            raise ConfigError(f"run.log({name}=...) was logged with reduce={entry[2]!r} and {reduce!r}; use one")
+        value = value.detach().double() if isinstance(value, Tensor) else float(value)
+        # A sum counts every value with samples behind it; a mean weighs each by its samples.
+        entry[0] += value * weight if reduce == "mean" else value * (weight > 0)
+        entry[1] += weight
+        entry[3].add(step)
 
     def step_ended(self) -> None:
         """A step's last micro-batch is done; its collectives come at the next step boundary."""

@@ -46,6 +46,7 @@ class OptimizerGate:
         self.skipped_steps = 0
         self.last_lr: float | None = None  # the first optimizer's rate at its last real step
         self.lr_optimizer: torch.optim.Optimizer | None = None  # the first tracked optimizer
+        self.held: Any = None  # the step cycle's HeldGrads: gated steps and zero_grads tell it
 
     def track(self, obj: object) -> None:
         """Gate an optimizer or LR scheduler (other objects are left alone); the first optimizer's
@@ -54,10 +55,17 @@ class OptimizerGate:
         if self.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
             self.lr_optimizer = obj
 
-    def check_stepped(self, step: int) -> None:
+    def check_stepped(self, step: int, cut: Any = None) -> None:
         """At a step's end: a backward without any tracked optimizer's step is a loop's own
-        accumulation, refused at its first step unless ``allow_unstepped``."""
+        accumulation, refused at its first step unless ``allow_unstepped``; a loop that left in
+        the middle of a step (``cut``: the micro-batch it left at) is told that instead."""
         if self.has_backward and not self.stepped and self.lr_optimizer is not None:
+            if cut is not None:
+                raise ConfigError(
+                    f"the loop left run.loader's loop in the middle of step {step} (a break after a "
+                    "micro-batch that is not the step's last), so the step never reached optimizer.step(); "
+                    "break at a step's end (if run.at_step_end: break), or set ddpkit.Run(steps=N)"
+                )
             if not self.cfg.allow_unstepped:
                 raise ConfigError(
                     f"step {step} ended without optimizer.step(): ddpkit.Run accumulates a step's "
@@ -104,8 +112,9 @@ class _GatedOptimizer:
 
     def step(self, closure: Callable | None = None) -> Any:
         gate = self.ddpkit_gate
-        if gate.accumulating:
-            return None  # not the step's last micro-batch: keep accumulating
+        if gate.accumulating:  # not the step's last micro-batch: keep accumulating
+            gate.held.close(_params(self))  # what reaches its parameters now is after its step
+            return None
         if getattr(self, "ddpkit_inner", False):  # the GradScaler calling back in
             return super().step(closure)
         self._opt_called = True  # what torch's LR schedulers check before warning
@@ -116,6 +125,7 @@ class _GatedOptimizer:
         # Clear only at a step boundary: before the step's first backward, or once this
         # optimizer has stepped. In between, the micro-batches' gradients are accumulating.
         if self.ddpkit_gate.has_backward and not getattr(self, "ddpkit_stepped", False):
+            self.ddpkit_gate.held.reopen(_params(self))  # drops what came after its last step
             return
         self.ddpkit_stepped = False
         super().zero_grad(set_to_none)
@@ -163,6 +173,10 @@ class _GatedAverage:
     def __reduce_ex__(self, protocol: int) -> Any:
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
         return _rebuild, (_user_class(self), state)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _user_class(obj: object) -> type:

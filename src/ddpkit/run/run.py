@@ -24,8 +24,11 @@ from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.logs import setup_logging
 from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.cycle import StepCycle
+from ddpkit.run.draws import SampleDraws
+from ddpkit.run.dropout import key_dropout, note_dropout
 from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
+from ddpkit.run.gather import all_gather
 from ddpkit.run.loader import Loader, make_source
 from ddpkit.run.models import check_same_model, load_weights, save_weights
 from ddpkit.run.monitor import Monitor
@@ -112,9 +115,11 @@ class Run:
         except BaseException:
             self.session.leave()  # the folder's lock and the process group, so nothing is left behind
             raise
+        self._draws = SampleDraws(seed, self.device, eager=self.engine_cfg.invariant_dropout)
         self.cycle = StepCycle(
-            self.session, self.monitor, self.gate, self.objects, self.models, self.out, self.ckpt_cfg, steps
-        )
+            self.session, self.monitor, self.gate, self.objects, self.models, self.out, self.ckpt_cfg, steps,
+            self._draws,
+        )  # fmt: skip
         atexit.register(self._finish_at_exit)
 
     # --- registration -----------------------------------------------------------------------
@@ -132,6 +137,10 @@ class Run:
         """
         name = self._new_name(name, "model")
         check_same_model(model, self.env)
+        if self.engine_cfg.invariant_dropout:
+            key_dropout(model, self._draws, self.engine_cfg.dropout_batch_dim)
+        else:
+            note_dropout(model, self.env.is_rank0)
         if (weights := self.session.saved_state(name)) is not None:
             load_weights(unwrap(model), weights, name, self.session.resume_path)
         self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
@@ -197,20 +206,52 @@ class Run:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` for the mean loss of one micro-batch, scaled to its share of the step.
+    def backward(self, loss: torch.Tensor, reduction: str = "mean", count: Any = None) -> None:
+        """``loss.backward()`` for one micro-batch's loss, scaled so the step is one process's
+        update on the whole global batch (at any world size and micro_batch).
 
-        Inside a ``run.loader`` loop the gradient becomes that of the mean over the global batch
-        (at any world size); outside one it is a plain backward. Every call's loss is logged.
+        Args:
+            loss: the micro-batch's loss: by default its mean over the micro-batch's samples.
+            reduction: ``"sum"`` for a loss summed over the samples (``reduction="sum"``).
+            count: for a loss summed over ``count`` items (the tokens of a padded batch, the sample
+                weights of a class-weighted loss): the step's gradient is then divided by the global
+                batch's count, as one process's mean over all of them.
+
+        Outside a ``run.loader`` loop it is a plain backward. Every call's loss is logged, as what
+        it is (mean, sum per step, or mean per item).
         """
-        self.cycle.backward(loss)
+        self.cycle.backward(loss, reduction, count)
 
-    def log(self, **metrics: float | torch.Tensor) -> None:
-        """Record metrics: in a step, for the metrics line, which holds their mean over ranks and the
-        steps since the last line; between steps (after an epoch, say an eval), for a line of their
-        own, with the step they follow, written before the next step, checkpoint or the run's end.
-        Any subset of ranks may log; a value is written once."""
-        self.cycle.log(metrics)
+    def log(self, reduce: str = "mean", **metrics: float | torch.Tensor) -> None:
+        """Record metrics. In a step, for the metrics line: ``reduce="mean"``, the mean over every
+        rank and micro-batch weighted by its samples (a micro-batch's accuracy gives the global
+        batch's), averaged over the line's steps; ``reduce="sum"`` (counts), the sum over every rank
+        and micro-batch per step. Between steps (after an epoch, say an eval), for a line of their
+        own with the step they follow: the mean (or sum) of the values the ranks logged, written
+        before the next step, checkpoint or the run's end. A rank without samples in an epoch's last
+        batch counts for nothing; any subset of ranks may log; a value is written once."""
+        self.cycle.log(metrics, reduce)
+
+    def rand_like(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.rand_like(x)`` drawn per sample: row i (dim 0) from (seed, step, sample i's place
+        in the global batch), the same on any world size, micro_batch and after a resume."""
+        return self._draws.rand_like(x)
+
+    def randn_like(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.randn_like(x)`` drawn per sample, as ``rand_like`` (a diffusion step's noise)."""
+        return self._draws.randn_like(x)
+
+    def randint(self, low: int, high: int | None = None, *, like: torch.Tensor) -> torch.Tensor:
+        """One integer in [low, high) (or [0, low)) per sample of ``like`` (dim 0), drawn per sample
+        as ``rand_like``: a diffusion step's timesteps, ``run.randint(T, like=x)``."""
+        low, high = (0, low) if high is None else (low, high)
+        return self._draws.randint(low, high, like)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (dim 0: its samples) in global-batch order, differentiable: an
+        in-batch-negatives loss (InfoNCE, CLIP) over the gathered batch is one process's. Exact
+        when each rank's share is one micro-batch; refused in one line under a smaller micro_batch."""
+        return all_gather(x, self.cycle.micro, self.env)
 
     def save(self) -> None:
         """Checkpoint at the end of the current step (now, between epochs). All ranks call it."""
@@ -249,6 +290,13 @@ class Run:
     def step(self) -> int:
         """Optimizer steps begun (inside the loop, the running one counts); a resume starts at its own."""
         return self.cycle.step
+
+    @property
+    def batch_offset(self) -> int:
+        """The place of this micro-batch's first sample in the step's global batch: its row in
+        ``run.all_gather``'s result (an InfoNCE's labels are ``run.batch_offset + arange(len(x))``)."""
+        micro = self.cycle.micro
+        return micro.offset if micro is not None else 0
 
     @property
     def at_step_end(self) -> bool:

@@ -170,7 +170,8 @@ class StreamSource:
                 return  # the last full global batch is done: every rank ends the pass here
             taken += 1
             for i, batch in enumerate(step):
-                micro = Micro([], scale, self.size, i == 0, i == self.per_step - 1, taken)
+                offset = (self.env.rank * self.per_step + i) * self.size  # its place in the step
+                micro = Micro([], scale, self.size, i == 0, i == self.per_step - 1, taken, offset)
                 yield micro, (lambda batch=batch: batch)
 
     def end_pass(self) -> None:
