@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import itertools
 import os
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -141,15 +142,21 @@ def _init_group(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     _check_init_method(init_method)
-    store = _restart_safe_agent_store(init_method, timeout) or _tcp_store_under_ddpkit_launch(
-        init_method, rank, world_size, timeout
-    )
+    store = _restart_safe_agent_store(init_method, timeout)
+    if store is not None:
+        # A second group in the same process (two Runs one after the other) would otherwise read
+        # the first one's gloo addresses and wait forever; every rank makes its groups in order.
+        store = dist.PrefixStore(f"group{next(_GROUPS)}", store)
+    store = store or _tcp_store_under_ddpkit_launch(init_method, rank, world_size, timeout)
     if store is not None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         return
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
+
+
+_GROUPS = itertools.count()  # the agent-store groups this process made: each its own key space
 
 
 def _restart_safe_agent_store(init_method: str, timeout: timedelta) -> dist.Store | None:

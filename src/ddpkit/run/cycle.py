@@ -78,7 +78,7 @@ class StepCycle:
         self.held = gate.held = HeldGrads(models)
         self.losses, self.draws = StepLosses(self.env), draws
         self.cut: Micro | None = None  # the micro-batch the loop left its loader at, mid-step
-        self.resumed_at, self.warned_budget = self.step, False
+        self.resumed_at, self.warned_budget, self.warned_stale = self.step, False, False
         self.indices: list[int] = []
         self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
         self.replicas = ReplicaCheck(self.env, monitor.phase, models)
@@ -153,6 +153,7 @@ class StepCycle:
     def enter(self, micro: Micro) -> None:
         """The loop is about to get ``micro``'s batch."""
         self.micro = micro
+        self.gate.deferred = False
         self.draws.enter(self.step, micro)
         self.gate.accumulating = not micro.last
         self.monitor.micro_batch(micro.samples)
@@ -170,6 +171,8 @@ class StepCycle:
             self.monitor.backward(self.gate.scaler.scale(loss / count if count is not None else loss))
             return
         scale = self.losses.add(loss, reduction, count, micro, self.monitor)
+        if self.gate.deferred and not micro.last:
+            self._warn_stale()
         self.gate.has_backward = True
         self.held.restore(micro.last)  # the step's earlier micro-batches' gradients, to add to
         self.monitor.backward(self.gate.scaler.scale(loss * scale if scale != 1.0 else loss))
@@ -180,6 +183,18 @@ class StepCycle:
             self.held.hold()
         elif count is not None:  # now that the gradient is the step's sum: over the global count
             self.losses.divide(self.models.values())
+
+    def _warn_stale(self) -> None:
+        if self.env.is_rank0 and not self.warned_stale:
+            self.warned_stale = True
+            log.warning(
+                "step %d: run.backward after optimizer.step() in the same micro-batch: under micro_batch "
+                "that step waits for the step's last micro-batch, so this loss saw the weights before it, "
+                "where one device would use the stepped ones (a GAN's generator pass through the "
+                "discriminator it just stepped); train the models on alternate steps (examples/gan.py) "
+                "or leave micro_batch unset",
+                self.step,
+            )
 
     def log(self, metrics: dict[str, float | torch.Tensor], reduce: str) -> None:
         """``run.log``: for the step's metrics line, or between steps for a line of their own."""

@@ -47,6 +47,7 @@ class OptimizerGate:
         self.last_lr: float | None = None  # the first optimizer's rate at its last real step
         self.lr_optimizer: torch.optim.Optimizer | None = None  # the first tracked optimizer
         self.held: Any = None  # the step cycle's HeldGrads: gated steps and zero_grads tell it
+        self.deferred = False  # a tracked optimizer's step waited in this micro-batch
 
     def track(self, obj: object) -> None:
         """Gate an optimizer or LR scheduler (other objects are left alone); the first optimizer's
@@ -114,6 +115,7 @@ class _GatedOptimizer:
         gate = self.ddpkit_gate
         if gate.accumulating:  # not the step's last micro-batch: keep accumulating
             gate.held.close(_params(self))  # what reaches its parameters now is after its step
+            gate.deferred = True
             return None
         if getattr(self, "ddpkit_inner", False):  # the GradScaler calling back in
             return super().step(closure)

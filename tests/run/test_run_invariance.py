@@ -1,0 +1,77 @@
+"""Issue 32: the habits of real models and loops give one process's update on 1, 2 and 3 processes
+and with micro_batch, through the default or the option that covers each (invariance_habits.py).
+
+One launch per world size runs every habit; the reference is the same habits in this process, a
+world of one without micro_batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpkit
+from invariance_habits import HABITS, train_all
+
+TOL = 1e-5
+# habit -> the reason it cannot hold under micro_batch, as the line that says so
+REFUSED_UNDER_MICRO = {"infonce": "run.all_gather needs each rank's share of a step in one micro-batch"}
+# habit -> the line that says why it cannot hold under micro_batch (a discriminator stepped before
+# the generator's pass in the same iteration: its step waits for the step's last micro-batch)
+SAID_UNDER_MICRO = {"gan_freeze": "run.backward after optimizer.step() in the same micro-batch"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("invariance")
+    found = {"1": train_all(str(root / "1"), None), "1-micro": train_all(str(root / "1-micro"), 2)}
+    for name, world, micro in [("2", 2, None), ("3", 3, None), ("2-micro", 2, 2)]:
+        ranks = ddpkit.launch(train_all, world, (str(root / name), micro))
+        found[name] = ranks[0]
+        for other in ranks[1:]:  # every rank ends with the same weights (or the same line)
+            for habit in HABITS:
+                if "error" in other[habit]:
+                    assert other[habit] == found[name][habit]
+                    continue
+                for key, value in other[habit]["weights"].items():
+                    assert torch.equal(value, found[name][habit]["weights"][key]), (name, habit, key)
+    return found
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOL * max(1.0, abs(a))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("habit", HABITS)
+@pytest.mark.parametrize("world", ["2", "3", "2-micro", "1-micro"])
+def test_each_habit_gives_one_processs_losses_weights_and_logged_values(results, habit, world):
+    alone, other = results["1"][habit], results[world][habit]
+    if "micro" in world and habit in REFUSED_UNDER_MICRO:
+        assert REFUSED_UNDER_MICRO[habit] in other["error"]
+        return
+    if "micro" in world and habit in SAID_UNDER_MICRO:
+        assert any(SAID_UNDER_MICRO[habit] in line for line in other["warnings"]), other["warnings"]
+        return
+    assert "error" not in other, other
+    assert len(alone["lines"]) == len(other["lines"])
+    for a, b in zip(alone["lines"], other["lines"], strict=True):
+        assert a.keys() - {"ranks"} <= b.keys(), (a, b)
+        for key in ("loss", "correct", "acc"):
+            if key in a:
+                assert _close(a[key], b[key]), f"{habit} on {world}: step {a['step']}: {key} {a[key]} vs {b[key]}"
+    for key, value in alone["weights"].items():
+        torch.testing.assert_close(other["weights"][key], value, rtol=TOL, atol=TOL, msg=f"{habit}: {key}")
+
+
+@pytest.mark.slow
+def test_the_options_change_the_update_where_a_plain_loop_would_differ(results):
+    # Guards the test above against habits that hold trivially: the summed loss's logged value is
+    # a sum (about global_batch x the mean), a count is an integer total of the global batch, and
+    # the GAN's line comes only where it applies.
+    first = results["1"]["sum"]["lines"][0]
+    assert first["loss"] > 3 * results["1"]["dropout"]["lines"][0]["loss"]
+    assert all(float(line["correct"]).is_integer() for line in results["2"]["dropout"]["lines"] if "correct" in line)
+    last = results["2"]["dropout"]["lines"][3]  # the epoch's last step: one sample
+    assert last["correct"] in (0.0, 1.0) and last["acc"] in (0.0, 1.0)
+    assert not results["1"]["gan_freeze"]["warnings"] and not results["2-micro"]["gan"]["warnings"]
