@@ -75,3 +75,53 @@ def test_the_options_change_the_update_where_a_plain_loop_would_differ(results):
     last = results["2"]["dropout"]["lines"][3]  # the epoch's last step: one sample
     assert last["correct"] in (0.0, 1.0) and last["acc"] in (0.0, 1.0)
     assert not results["1"]["gan_freeze"]["warnings"] and not results["2-micro"]["gan"]["warnings"]
+
+
+def _budget_loop(out, budget: int, crash_after: int | None) -> int:
+    """A loop that counts its own steps (``if i == budget: break``), as max_steps loops do."""
+    run = ddpkit.Run(out=out, global_batch=4, save_every=2, progress=False)
+    model = run.setup(torch.nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 3), torch.randn(40, 1))
+    try:
+        for i, (x, y) in enumerate(run.loader(data)):
+            if i == budget:
+                break
+            optimizer.zero_grad()
+            run.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            if i + 1 == crash_after:
+                raise KeyboardInterrupt  # a kill after that step: the checkpoint of step 2 stays
+    except KeyboardInterrupt:
+        run.close()
+        return run.step
+    run.finish()
+    return run.step
+
+
+def test_a_resumed_loop_with_its_own_step_counter_is_told_once(tmp_path, capfd):
+    assert _budget_loop(tmp_path / "run", 5, crash_after=3) == 3
+    assert "counted from 0 again" not in capfd.readouterr().err
+    # Resumed at step 2, its counter at 0: it trains steps 3 to 7 and breaks in step 8, not at 5.
+    assert _budget_loop(tmp_path / "run", 5, crash_after=None) == 8
+    told = [line for line in capfd.readouterr().err.splitlines() if "counted from 0 again" in line]
+    assert len(told) == 1 and "resumed at step 2" in told[0] and "steps=" in told[0]
+
+
+def test_a_break_in_the_middle_of_a_step_says_so():
+    run = ddpkit.Run(global_batch=4, micro_batch=2, progress=False)
+    model = run.setup(torch.nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    try:
+        with pytest.raises(ddpkit.ConfigError, match="left run.loader's loop in the middle of step 1"):
+            for x, y in run.loader(data):
+                optimizer.zero_grad()
+                run.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                break  # after the first of the step's two micro-batches
+            run.finish()
+    finally:
+        run.close()
