@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 import ddpkit
 
 N, GLOBAL_BATCH, EPOCHS, T = 19, 6, 2, 50
-HABITS = ("dropout", "diffusion", "sum", "tokens", "weighted", "infonce", "gan", "gan_freeze")
+HABITS = ("dropout", "diffusion", "sum", "tokens", "weighted", "infonce", "gan", "gan_freeze", "bf16")
 
 
 class DropPath(nn.Module):
@@ -67,7 +67,7 @@ def data(habit: str) -> TensorDataset:
 
 def loss_of(habit: str, run: ddpkit.Run, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     """The habit's loss and backward, as the single-device loop writes it (ddpkit's options added)."""
-    if habit == "dropout":
+    if habit in ("dropout", "bf16"):
         out = model(x)
         run.backward(F.cross_entropy(out, y))
     elif habit == "diffusion":  # noise and timesteps drawn in the loop, per sample
@@ -106,7 +106,7 @@ def train(out: str, habit: str, micro_batch: int | None) -> dict:
         return train_gan(out, micro_batch, freeze=habit == "gan_freeze")
     run = ddpkit.Run(
         out=out, global_batch=GLOBAL_BATCH, micro_batch=micro_batch, shuffle=False, log_every=1,
-        progress=False, invariant_dropout=True, seed=4,
+        progress=False, invariant_dropout=True, seed=4, precision="bf16" if habit == "bf16" else "fp32",
     )  # fmt: skip
     torch.manual_seed(0)
     model = run.setup(Net(extra=1 if habit == "diffusion" else 0, outputs=6 if habit == "diffusion" else 3))
