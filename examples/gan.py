@@ -6,6 +6,11 @@ The generator learns to map noise onto a ring of radius 2 around the origin; the
 learns to tell its points from real ones. Both models are set up (wrapped, checkpointed) under
 their own names, and each optimizer is tracked. At the end the example checks that the
 generated points lie near the ring and that both replicas of both models agree.
+
+The generator's pass uses the discriminator stepped just before it, as on one device. With
+``micro_batch`` that step would wait for the step's last micro-batch (ddpkit says so in one
+line): there, step the two models on alternate steps (``if run.step % 2:``), which
+tests/run/test_run_invariance.py holds to one process under micro_batch.
 """
 
 import argparse
@@ -67,12 +72,16 @@ def main(args) -> None:
             opt_d.zero_grad()
             run.backward(F.binary_cross_entropy_with_logits(scores, labels))
             opt_d.step()
-            # The generator: make the discriminator call its points real.
+            # The generator: make the discriminator call its points real. The discriminator is
+            # frozen for this pass, so its gradient gets nothing from the generator's loss (and
+            # its forward is a plain one, with no all-reduce to prepare).
+            discriminator.requires_grad_(False)
             opt_g.zero_grad()
             run.backward(
                 F.binary_cross_entropy_with_logits(discriminator(fake), torch.ones_like(scores[: len(real)]))
             )
             opt_g.step()
+            discriminator.requires_grad_(True)
     check(run, generator.module)
     run.finish()
 
