@@ -23,7 +23,7 @@ USAGE = """usage: ddpkit COMMAND [ARGS]
 commands:
   train [TASK]       train a built-in workload (gpt, convnet, toy) or your task.py on every process
   run SCRIPT         launch a script on every process, exactly like torchrun
-  bench KIND         benchmarks: engine, comm, scaling, trainer, fsdp
+  bench KIND         benchmarks: engine, comm, scaling, trainer, fsdp, dropout
   report OUT         summarize a run and plot OUT/report.png
   inspect PATH       show and verify what a checkpoint holds
 
@@ -48,6 +48,7 @@ BENCHMARKS = {
     "scaling": "ddpkit.bench.scaling",
     "trainer": "ddpkit.bench.trainer_bench",
     "fsdp": "ddpkit.bench.fsdp_bench",
+    "dropout": "ddpkit.bench.dropout_bench",
 }
 
 

@@ -24,7 +24,9 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.data.workers import check_socket_dir
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+from ddpkit.run.map_source import EpochIndices
 from ddpkit.run.micro import to_device
+from ddpkit.run.seeding import SeededFetch
 from ddpkit.run.sharded import is_sharded, reshard
 
 
@@ -39,6 +41,7 @@ def evaluate(
     reduce: str = "mean",
     collate_fn: Callable | None = None,
     num_workers: int = 0,
+    seed: int | None = None,
 ) -> dict[str, float]:
     """Run ``fn`` on this rank's shard of ``dataset`` and combine the results of every rank.
 
@@ -52,6 +55,8 @@ def evaluate(
         reduce: ``mean`` (over all samples) or ``sum`` (of the per-sample values).
         collate_fn: as for torch's DataLoader.
         num_workers: as for torch's DataLoader.
+        seed: seed a dataset's random draws per sample (run/seeding.py), from (seed, the sample)
+            alone: every evaluation, world size and resume draws the same noise or crops.
     """
     if reduce not in ("mean", "sum"):
         raise ConfigError(f"reduce={reduce!r} must be 'mean' or 'sum'")
@@ -61,9 +66,10 @@ def evaluate(
     ]
     mine = list(range(env.rank, len(batches), env.world_size))
     kwargs = {"collate_fn": collate_fn} if collate_fn is not None else {}
-    loader = DataLoader(
-        dataset, batch_sampler=[list(batches[b]) for b in mine], num_workers=num_workers, **kwargs
-    )
+    if seed is not None:
+        dataset = SeededFetch(dataset, seed)
+    mine_batches = [_held_out(batches[b]) for b in mine]
+    loader = DataLoader(dataset, batch_sampler=mine_batches, num_workers=num_workers, **kwargs)
     modes = [m.training for m in models]
     for model in models:
         model.eval()
@@ -92,6 +98,13 @@ def evaluate(
     return {name: value / total if reduce == "mean" else value for name, value in sums.items()} | {
         "samples": total
     }
+
+
+def _held_out(indices: range) -> EpochIndices:
+    """A batch's indices, keyed apart from every training epoch's (epoch -1) for their draws."""
+    tagged = EpochIndices(indices)
+    tagged.epoch = -1
+    return tagged
 
 
 def _sums(batch: Any, fn: Callable, device: torch.device, size: int) -> dict[str, float]:

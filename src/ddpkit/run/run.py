@@ -260,10 +260,11 @@ class Run:
     def evaluate(self, dataset: Dataset, fn: Any, **kwargs: Any) -> dict[str, float]:
         """Exact mean (``reduce="sum"``: sum) over ``dataset`` of what ``fn(batch)`` returns per
         batch: a mean-over-the-batch tensor, or a dict of them. Each sample counts once; shards are
-        uneven, nothing is padded. Models are in eval mode and no gradient is kept meanwhile."""
+        uneven, nothing is padded. Models are in eval mode and no gradient is kept meanwhile. A
+        dataset's random draws are seeded per sample: the same at every evaluation and world size."""
         self._phase("eval: metric sums all_gather")
         with local_forwards(list(self.models.values())):
-            return evaluate(dataset, fn, self.env, list(self.models.values()), **kwargs)
+            return evaluate(dataset, fn, self.env, list(self.models.values()), seed=self.seed, **kwargs)
 
     @property
     def rank(self) -> int:
