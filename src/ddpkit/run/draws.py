@@ -107,7 +107,7 @@ class SampleDraws:
                 f"does not hold the micro-batch's {rows} samples; set dropout_batch_dim= to the batch dimension"
             )
         hashed = keyed.bits(self.keys, per_row * (batch // rows), self.stream(module), self.positions)
-        return keyed.keep_mask(hashed, p).to(x.dtype) * (1.0 / (1.0 - p))
+        return keyed.keep_mask(hashed, p).to(x.dtype).mul_(1.0 / (1.0 - p))
 
 
 def _float(x: torch.Tensor) -> torch.dtype:

@@ -27,12 +27,17 @@ _M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 of every element of an int32 tensor (a new tensor)."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _M1
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _M2
-    return x ^ ((x >> 16) & 0xFFFF)
+    """lowbias32 of every element of an int32 tensor, in place (``x`` is returned).
+
+    In place, with one scratch tensor: eager, each op is a pass over memory, and fresh
+    temporaries made the keyed dropout layer 1.5x nn.Dropout's time on the CPU instead of 0.85x."""
+    t = x >> 16
+    x ^= t.bitwise_and_(0xFFFF)
+    x *= _M1
+    x ^= torch.bitwise_right_shift(x, 15, out=t).bitwise_and_(0x1FFFF)
+    x *= _M2
+    x ^= torch.bitwise_right_shift(x, 16, out=t).bitwise_and_(0xFFFF)
+    return x
 
 
 def mix_int(x: int) -> int:
@@ -83,8 +88,9 @@ def uniform(hashed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.T
 
 
 def keep_mask(hashed: torch.Tensor, p: float) -> torch.Tensor:
-    """True where an element survives dropout with probability ``1 - p`` (an integer compare)."""
-    return (hashed & 0x7FFFFFFF) >= round(p * 2**31)
+    """True where an element survives dropout with probability ``1 - p`` (an integer compare);
+    ``hashed`` is used up."""
+    return hashed.bitwise_and_(0x7FFFFFFF) >= round(p * 2**31)
 
 
 def normal(first: torch.Tensor, second: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
