@@ -259,6 +259,8 @@ class StepCycle:
         last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
             return
+        if last or self.save_now or self._logs_or_saves():
+            self.gate.check_norms()  # nothing non-finite reaches a log line or a checkpoint
         # The signal rides on the log gather, which is read at the next step's end: every rank
         # then reads the same maximum, so all stop at that step.
         logged = self.monitor.step_done(self.step, ended, last, self._extra, self.preemption.received)
@@ -287,6 +289,10 @@ class StepCycle:
         if number:
             self._preempted(number)
 
+    def _logs_or_saves(self) -> bool:
+        every = self.ckpt_cfg.save_every
+        return self.step % self.monitor.every == 0 or self.step == 1 or (every > 0 and self.step % every == 0)
+
     def flush_between(self) -> None:
         """Write what run.log got between steps as a line of the last step's. Collective."""
         self.monitor.flush_between(self.step, {"epoch": self.epoch})
@@ -308,6 +314,7 @@ class StepCycle:
         finished run, which the same command then leaves alone). Collective."""
         if self.out is None:
             raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
+        self.gate.check_norms()
         self.save_now, self.saved_step, self.final = False, self.step, final
         # The step's log lines first: a run killed after this checkpoint resumes after them.
         self.monitor.flush()

@@ -25,6 +25,7 @@ from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced
 from ddpkit.run.config import EngineConfig
+from ddpkit.run.local_engine import LocalEngine
 from ddpkit.run.precision import autocast_forward
 from ddpkit.run.sharded import is_sharded, set_sync, shard
 
@@ -47,7 +48,8 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
     engines = {"native": _native, "fsdp": shard, "torch": _TorchEngine}
-    wrapped = engines[cfg.engine](model, env, cfg)
+    alone = env.world_size == 1 and cfg.engine != "fsdp" and cfg.compression is None
+    wrapped = _Local(model, cfg.find_unused_parameters) if alone else engines[cfg.engine](model, env, cfg)
     wrapped.ddpkit_trainable, wrapped.ddpkit_step, wrapped.ddpkit_forward_step = trainable, None, None
     if cfg.precision != "fp32" and cfg.engine != "fsdp":  # fsdp's precision is its own policy
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
@@ -173,6 +175,13 @@ class _NativeEngine(_RunEngine, DataParallel):
     """ddpkit's DataParallel, naming parameters without a gradient in Run's terms."""
 
 
+class _Local(_RunEngine, LocalEngine):
+    """A world of one: the model called directly (local_engine.py), with the engine's checks."""
+
+    def _get_name(self) -> str:
+        return "LocalEngine"
+
+
 def _trainable_error(module: nn.Module, was: tuple[bool, ...], model: str, step: int) -> ConfigError:
     params = list(module.named_parameters())
     changed = next(name for (name, p), before in zip(params, was, strict=True) if p.requires_grad != before)
@@ -247,7 +256,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     # every script a second at start-up.
     compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
     while True:
-        if isinstance(model, DistributedDataParallel | DataParallel):
+        if isinstance(model, DistributedDataParallel | DataParallel | LocalEngine):
             model = model.module
         elif compiled and isinstance(model, compiled):
             model = model._orig_mod

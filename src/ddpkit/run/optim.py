@@ -21,6 +21,7 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import OptimConfig
+from ddpkit.run.norms import NormWatch
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class OptimizerGate:
         self.lr_optimizer: torch.optim.Optimizer | None = None  # the first tracked optimizer
         self.held: Any = None  # the step cycle's HeldGrads: gated steps and zero_grads tell it
         self.deferred = False  # a tracked optimizer's step waited in this micro-batch
+        self.norms = NormWatch()  # on_nonfinite="stop": each step's norm, read a step later
 
     def track(self, obj: object) -> None:
         """Gate an optimizer or LR scheduler (other objects are left alone); the first optimizer's
@@ -75,6 +77,16 @@ class OptimizerGate:
                     "or pass allow_unstepped=True if the loop skips steps on purpose"
                 )
 
+    def check_norms(self, before: int | None = None) -> None:
+        """Stop on the first non-finite gradient norm of the steps before ``before`` (None: every
+        step so far: before a log line, a checkpoint or the run's end is written)."""
+        if (bad := self.norms.first_nonfinite(before)) is not None:
+            step, value = bad
+            raise FloatingPointError(
+                f"step {step}: the gradient norm is {value} on every rank; lower the learning "
+                "rate or check the data, or pass on_nonfinite='skip' to skip such steps"
+            )
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable, closure: Any) -> Any:
         """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
         self.stepped = True
@@ -89,17 +101,15 @@ class OptimizerGate:
                 return self.scaler.step(optimizer)
             finally:
                 optimizer.ddpkit_inner = False
-        # The norm is of the all-reduced gradient, the same on every rank: all decide alike. One
-        # .item() is the host sync the decision needs (torch's GradScaler makes the same one), and
-        # costs less than torch.isfinite's extra kernel and its bool().
+        # The norm is of the all-reduced gradient, the same on every rank: all decide alike.
+        if self.cfg.on_nonfinite == "stop":  # read a step later, never waited for here (norms.py)
+            self.check_norms(before=self.step)
+            self.norms.add(self.step, norm)
+            return step(closure)
+        # Skipping decides before the step: one .item(), the host sync torch's GradScaler makes too.
         value = norm.item()
         if math.isfinite(value):
             return step(closure)
-        if self.cfg.on_nonfinite == "stop":
-            raise FloatingPointError(
-                f"step {self.step}: the gradient norm is {value} on every rank; lower the learning "
-                "rate or check the data, or pass on_nonfinite='skip' to skip such steps"
-            )
         self.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
         log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, value)

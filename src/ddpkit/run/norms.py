@@ -1,0 +1,51 @@
+"""The non-finite check of each step's gradient norm, without a host sync on the step itself.
+
+Reading a CUDA tensor's value (``norm.item()``) makes the CPU wait for the GPU, and the Python
+of the next step then runs while the GPU idles. Instead each optimizer step's norm is copied to
+pinned host memory without blocking and read one step later, at the next optimizer step, when
+the copy has long landed (a CUDA event says so; waiting on it there costs nothing but on the
+rare step the GPU runs more than a step behind), and at the latest before a log line, a
+checkpoint or the run's end is written. So ``on_nonfinite="stop"`` stops every rank at the same
+point, one step after the bad one or before anything is written, naming the bad step: a
+non-finite update never reaches a checkpoint or ``model.pt``. On the CPU the norm is host memory
+already and the same rule applies. ``on_nonfinite="skip"`` must decide before the step, so it
+reads the norm at once: one sync a step, as torch's GradScaler makes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+
+class NormWatch:
+    """Gradient norms of recent optimizer steps, read once they are on the host."""
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+
+    def add(self, step: int, norm: torch.Tensor) -> None:
+        """Queue ``step``'s gradient norm (a tensor on the device) for the check."""
+        if norm.device.type == "cuda":
+            host = torch.empty((), dtype=norm.dtype, pin_memory=True)
+            host.copy_(norm.detach(), non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+            self.pending.append((step, host, landed))
+        else:
+            self.pending.append((step, norm.detach(), None))
+
+    def first_nonfinite(self, before: int | None = None) -> tuple[int, float] | None:
+        """The first queued norm that is not finite (its step and value), reading every norm of the
+        steps before ``before`` (None: all of them); the others stay queued."""
+        while self.pending and (before is None or self.pending[0][0] < before):
+            step, host, landed = self.pending.popleft()
+            if landed is not None:
+                landed.synchronize()  # long done but on the rare step the GPU is a step behind
+            value = float(host)  # host memory: no device sync
+            if not math.isfinite(value):
+                self.pending.clear()
+                return step, value
+        return None

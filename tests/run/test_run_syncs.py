@@ -1,0 +1,57 @@
+"""Issue 33: a Run adds no host sync to a step that neither logs, checks nor checkpoints.
+
+The calls that make the CPU wait for a device (``Tensor.item``, ``tolist``, ``__bool__``, ``cpu``)
+are counted around each step of a loop in a world of one; the loop itself makes none. On a GPU,
+tests/gpu runs the same steps under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ddpkit
+
+SYNCING = ("item", "tolist", "__bool__", "cpu")
+
+
+def _counted(monkeypatch) -> list[int]:
+    calls = [0]
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            calls[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return calls
+
+
+def test_a_step_that_neither_logs_checks_nor_saves_adds_no_sync(monkeypatch, tmp_path):
+    run = ddpkit.Run(
+        out=tmp_path / "run", global_batch=8, micro_batch=4, log_every=10, check_every=0, save_every=20,
+        progress=False,
+    )  # fmt: skip
+    model = run.setup(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)  # AdamW's own step counter calls .item()
+    run.track(optimizer)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * 25, 6), torch.randn(8 * 25, 1))
+    calls, per_step = _counted(monkeypatch), {}
+    for x, y in run.loader(data):
+        # What ran since the last micro-batch: the loop body, and at a step's first micro-batch
+        # the boundary of the step before (its log gather, checkpoint), counted with this step.
+        per_step[run.step] = per_step.get(run.step, 0) + calls[0]
+        calls[0] = 0
+        optimizer.zero_grad()
+        run.backward(F.mse_loss(model(x), y))
+        run.log(err=(model(x) - y).abs().mean().detach())
+        optimizer.step()
+    run.finish()
+    monkeypatch.undo()
+    # Log lines at steps 1, 10, 20 (each gather finished a step later) and a checkpoint at 20:
+    # their boundaries land in steps 2-3, 11-12 and 21-22.
+    busy = {1, 2, 3, 11, 12, 21, 22}
+    assert all(per_step[step] == 0 for step in per_step if step not in busy), per_step
+    assert sum(per_step[step] for step in busy) > 0  # the counting sees the log steps' own reads
