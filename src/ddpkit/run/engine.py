@@ -51,6 +51,7 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     alone = env.world_size == 1 and cfg.engine != "fsdp" and cfg.compression is None
     wrapped = _Local(model, cfg.find_unused_parameters) if alone else engines[cfg.engine](model, env, cfg)
     wrapped.ddpkit_trainable, wrapped.ddpkit_step, wrapped.ddpkit_forward_step = trainable, None, None
+    wrapped.__dict__["ddpkit_params"] = list(model.parameters())  # read every forward: made once
     if cfg.precision != "fp32" and cfg.engine != "fsdp":  # fsdp's precision is its own policy
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
         # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
@@ -115,8 +116,8 @@ class _RunEngine:
         # Between steps (None), or this step's first training forward: a change is the user's
         # freezing or unfreezing after an epoch or before a step; later in a step it is not.
         first = self.ddpkit_step is None or self.ddpkit_step != self.ddpkit_forward_step
-        self.ddpkit_forward_step = self.ddpkit_step
-        now = tuple(p.requires_grad for p in self.module.parameters())
+        self.__dict__["ddpkit_forward_step"] = self.ddpkit_step  # nn.Module's __setattr__ is slow
+        now = tuple(p.requires_grad for p in self.ddpkit_params)
         if now == self.ddpkit_trainable:
             return True
         if not any(now):
@@ -300,4 +301,4 @@ def mark_step(models: Iterable[nn.Module], step: int | None) -> None:
     """Tell each engine the step whose training forwards come next, None between steps (see
     ``_follow_trainable``)."""
     for model in models:
-        model.ddpkit_step = step
+        model.__dict__["ddpkit_step"] = step  # nn.Module's __setattr__ costs microseconds a step
