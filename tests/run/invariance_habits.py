@@ -140,7 +140,9 @@ def train(out: str, habit: str, micro_batch: int | None) -> dict:
     weights = {k: v.clone() for k, v in run.objects["model"].state_dict().items()}
     if habit == "dropout":  # twice: each evaluation draws the held-out noise alike
         score = lambda batch: F.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
-        weights["val"] = torch.tensor([run.evaluate(NoisyHeldOut(), score, batch_size=4)["value"] for _ in range(2)])
+        weights["val"] = torch.tensor(
+            [run.evaluate(NoisyHeldOut(), score, batch_size=4)["value"] for _ in range(2)]
+        )
     run.finish()
     return {"weights": weights, "lines": ddpkit_lines(out)}
 

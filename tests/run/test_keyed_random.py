@@ -29,7 +29,9 @@ def _draws(step: int = 1, rows: int = 8, offset: int = 0, seed: int = 0) -> Samp
 
 
 def test_the_torch_hash_equals_the_same_hash_in_exact_integers():
-    x = torch.randint(-(2**31), 2**31 - 1, (4096,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    x = torch.randint(
+        -(2**31), 2**31 - 1, (4096,), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+    )
     expected = [keyed.mix_int(int(v) & 0xFFFFFFFF) for v in x]
     assert keyed.mix(x).tolist() == [e - 2**32 if e >= 2**31 else e for e in expected]
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import ddpkit_run, logged_losses
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from invariance_habits import HABITS, train_all
 
 import ddpkit
-from invariance_habits import HABITS, train_all
 
 TOL = 1e-5
 # bf16 autocast: a rank's matmuls over its share round differently from one process's over the
@@ -65,12 +65,16 @@ def test_each_habit_gives_one_processs_losses_weights_and_logged_values(results,
         assert a.keys() - {"ranks"} <= b.keys(), (a, b)
         for key in ("loss", "correct", "acc") if habit != "bf16" else ("loss",):
             if key in a:
-                assert _close(a[key], b[key], tol), f"{habit} on {world}: step {a['step']}: {key} {a[key]} vs {b[key]}"
+                assert _close(a[key], b[key], tol), (
+                    f"{habit} on {world}: step {a['step']}: {key} {a[key]} vs {b[key]}"
+                )
     for key, value in alone["weights"].items():
         if habit == "bf16":  # relative to the largest weight: Adam turns rounding into whole steps
             assert (other["weights"][key] - value).abs().max() <= BF16_WEIGHTS * value.abs().max(), key
         else:
-            torch.testing.assert_close(other["weights"][key], value, rtol=TOL, atol=TOL, msg=f"{habit}: {key}")
+            torch.testing.assert_close(
+                other["weights"][key], value, rtol=TOL, atol=TOL, msg=f"{habit}: {key}"
+            )
 
 
 @pytest.mark.slow
@@ -80,7 +84,9 @@ def test_the_options_change_the_update_where_a_plain_loop_would_differ(results):
     # the GAN's line comes only where it applies.
     first = results["1"]["sum"]["lines"][0]
     assert first["loss"] > 3 * results["1"]["dropout"]["lines"][0]["loss"]
-    assert all(float(line["correct"]).is_integer() for line in results["2"]["dropout"]["lines"] if "correct" in line)
+    assert all(
+        float(line["correct"]).is_integer() for line in results["2"]["dropout"]["lines"] if "correct" in line
+    )
     last = results["2"]["dropout"]["lines"][3]  # the epoch's last step: one sample
     assert last["correct"] in (0.0, 1.0) and last["acc"] in (0.0, 1.0)
     assert not results["1"]["gan_freeze"]["warnings"] and not results["2-micro"]["gan"]["warnings"]

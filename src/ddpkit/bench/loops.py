@@ -1,7 +1,8 @@
 """The training loops ``ddpkit bench trainer`` times side by side, each over its own copy of one model.
 
 - ``HandLoop``: the seeds' hand-written DDP loop: torch's DataLoader with a DistributedSampler,
-  ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``.
+  ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``; in a world of one, the plain
+  single-process loop (no DDP: what ``python train.py`` runs before it is ported).
 - ``RunLoop``: the same loop on ``ddpkit.Run`` with every default diagnostic on (hang watchdog,
   per-rank timings, metrics.jsonl, replica fingerprints, non-finite check).
 
@@ -49,8 +50,9 @@ class HandLoop:
 
     def __init__(self, job, dataset: Dataset, cfg, env, num_workers: int) -> None:
         self.cfg, self.loss_fn = cfg, job.loss_fn
-        self.model = DistributedDataParallel(copy.deepcopy(job.model))
-        self.optimizer = make_optimizer(self.model.module, cfg.lr, cfg.weight_decay)
+        bare = copy.deepcopy(job.model)
+        self.model = DistributedDataParallel(bare) if env.world_size > 1 else bare
+        self.optimizer = make_optimizer(bare, cfg.lr, cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(cfg))
         self.sampler = DistributedSampler(dataset, env.world_size, env.rank, shuffle=True, seed=cfg.seed)
         # torch's defaults otherwise, which are also run.loader's: workers restart each epoch,

@@ -161,7 +161,8 @@ def main(argv: list[str]) -> int:
         f"{ns.num_workers} DataLoader workers, {ns.slow_data_ms:g} ms of CPU per sample; "
         f"{timed} timed steps each, alternating blocks of {ns.block}; ratios: median [90% interval]"
     )
-    names = {"hand": "hand-written DDP loop", "run": "ddpkit.Run loop", "trainer": "ddpkit Trainer"}
+    hand = "hand-written DDP loop" if ranks and len(ranks) > 1 else "plain loop (no DDP)"
+    names = {"hand": hand, "run": "ddpkit.Run loop", "trainer": "ddpkit Trainer"}
     for name, row in rows.items():
         line = f"{names[name]:<22} median {row['median_ms']:8.2f} ms/step"
         line += f", CPU {row['cpu_ms_per_step']:7.2f} ms"

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.run import checkpoints
+from ddpkit.run import checkpoints, notices
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.engine import mark_step, set_grad_sync
 from ddpkit.run.draws import SampleDraws
+from ddpkit.run.engine import mark_step, set_grad_sync
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.losses import StepLosses, check_differentiable
 from ddpkit.run.micro import Micro, to_device
@@ -187,19 +187,14 @@ class StepCycle:
     def _warn_stale(self) -> None:
         if self.env.is_rank0 and not self.warned_stale:
             self.warned_stale = True
-            log.warning(
-                "step %d: run.backward after optimizer.step() in the same micro-batch: under micro_batch "
-                "that step waits for the step's last micro-batch, so this loss saw the weights before it, "
-                "where one device would use the stepped ones (a GAN's generator pass through the "
-                "discriminator it just stepped); train the models on alternate steps (examples/gan.py) "
-                "or leave micro_batch unset",
-                self.step,
-            )
+            notices.stale_weights(self.step)
 
     def log(self, metrics: dict[str, float | torch.Tensor], reduce: str) -> None:
         """``run.log``: for the step's metrics line, or between steps for a line of their own."""
         if reduce not in ("mean", "sum"):
-            raise ConfigError(f"run.log(reduce={reduce!r}): use 'mean' (weighted by samples) or 'sum' (counts)")
+            raise ConfigError(
+                f"run.log(reduce={reduce!r}): use 'mean' (weighted by samples) or 'sum' (counts)"
+            )
         micro = self.micro if self.open else None
         weight = float(micro.samples) if micro is not None else 1.0
         for name, value in metrics.items():
@@ -215,12 +210,7 @@ class StepCycle:
         inside = per_epoch is not None and -(-micro.consumed // source.global_batch) < per_epoch
         if self.resumed_at and inside and self.env.is_rank0 and not self.warned_budget:
             self.warned_budget = True
-            log.warning(
-                "the loop left run.loader's loop at step %d, before the epoch's end, in a run resumed at "
-                "step %d: a loop that counts its own steps (if i == budget: break) counted from 0 again; "
-                "use ddpkit.Run(steps=N), compare with run.step, or track the counter (run.track(loop=state))",
-                self.step, self.resumed_at,
-            )  # fmt: skip
+            notices.own_counter(self.step, self.resumed_at)
 
     def request_save(self) -> None:
         """``run.save``: checkpoint at the end of the current step (now, between steps)."""

@@ -66,8 +66,7 @@ class SampleDraws:
         """(rows, numel / rows) hash bits for ``x``, whose dim 0 holds the micro-batch's rows."""
         if not self.active:
             raise ConfigError(
-                f"run.{what} draws per sample of a step of run.loader's loop; outside one "
-                f"use torch.{what}"
+                f"run.{what} draws per sample of a step of run.loader's loop; outside one use torch.{what}"
             )
         if x.dim() == 0 or x.shape[0] != self.rows:
             raise ConfigError(
@@ -104,7 +103,8 @@ class SampleDraws:
         if batch == 0 or batch % rows:
             raise ConfigError(
                 f"invariant_dropout: a dropout layer got shape {tuple(x.shape)}, whose dim {batch_dim} "
-                f"does not hold the micro-batch's {rows} samples; set dropout_batch_dim= to the batch dimension"
+                f"does not hold the micro-batch's {rows} samples; set dropout_batch_dim= to the batch "
+                "dimension"
             )
         hashed = keyed.bits(self.keys, per_row * (batch // rows), self.stream(module), self.positions)
         return keyed.keep_mask(hashed, p).to(x.dtype).mul_(1.0 / (1.0 - p))

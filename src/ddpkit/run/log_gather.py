@@ -93,7 +93,10 @@ def gather_means(env: DistEnv, logged: dict[str, list]) -> dict[str, float]:
 
     Collective (all_gather_object): every rank calls it, also one that logged nothing.
     """
-    mine = {name: (float(total), float(weight), how, sorted(steps)) for name, (total, weight, how, steps) in logged.items()}
+    mine = {
+        name: (float(total), float(weight), how, sorted(steps))
+        for name, (total, weight, how, steps) in logged.items()
+    }
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, mine)
     totals: dict[str, list] = {}
@@ -101,7 +104,9 @@ def gather_means(env: DistEnv, logged: dict[str, list]) -> dict[str, float]:
         for name, (total, weight, how, steps) in theirs.items():
             both = totals.setdefault(name, [0.0, 0.0, how, set()])
             if both[2] != how:
-                raise ConfigError(f"run.log({name}=...) was logged with reduce={both[2]!r} and {how!r}; use one")
+                raise ConfigError(
+                    f"run.log({name}=...) was logged with reduce={both[2]!r} and {how!r}; use one"
+                )
             both[0] += total
             both[1] += weight
             both[3].update(steps)

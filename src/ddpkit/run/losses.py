@@ -98,8 +98,10 @@ def check_differentiable(loss: torch.Tensor, models: dict[str, nn.Module]) -> No
         for name, m in models.items()
         if not any(p.requires_grad for p in unwrap(m).parameters())
     ]
-    why = f"every parameter of {', '.join(frozen)} is frozen (requires_grad=False)" if frozen else (
-        "it was computed under torch.no_grad() or from tensors that do not require grad"
+    why = (
+        f"every parameter of {', '.join(frozen)} is frozen (requires_grad=False)"
+        if frozen
+        else ("it was computed under torch.no_grad() or from tensors that do not require grad")
     )
     raise ConfigError(
         f"run.backward got a loss with no gradient to compute: {why}; unfreeze before the forward "

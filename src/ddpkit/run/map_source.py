@@ -40,7 +40,9 @@ def plan_epoch(sampler: GlobalBatchSampler, micro_batch: int | None) -> list[Mic
             # mean; * world_size undoes the engine's average over ranks.
             scale = weight * len(chunk) * sampler.world_size / len(batch)
             first, last = i == 0, i == len(chunks) - 1
-            plan.append(Micro(chunk, scale, int(weight) * len(chunk), first, last, consumed, start + i * size))
+            plan.append(
+                Micro(chunk, scale, int(weight) * len(chunk), first, last, consumed, start + i * size)
+            )
     return plan
 
 

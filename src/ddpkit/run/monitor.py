@@ -169,7 +169,9 @@ class Monitor:
         -1: between steps) for a line of its own. See ``gather_means``."""
         entry = (self.between if step < 0 else self.user).setdefault(name, [0.0, 0.0, reduce, set()])
         if entry[2] != reduce:
-            raise ConfigError(f"run.log({name}=...) was logged with reduce={entry[2]!r} and {reduce!r}; use one")
+            raise ConfigError(
+                f"run.log({name}=...) was logged with reduce={entry[2]!r} and {reduce!r}; use one"
+            )
         value = value.detach().double() if isinstance(value, Tensor) else float(value)
         # A sum counts every value with samples behind it; a mean weighs each by its samples.
         entry[0] += value * weight if reduce == "mean" else value * (weight > 0)

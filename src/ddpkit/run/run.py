@@ -33,6 +33,7 @@ from ddpkit.run.loader import Loader, make_source
 from ddpkit.run.models import check_same_model, load_weights, save_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
+from ddpkit.run.position import RunPosition
 from ddpkit.run.registry import DictState, kind_of, new_name
 from ddpkit.run.seeding import seed_everything
 from ddpkit.run.session import Session
@@ -41,7 +42,7 @@ from ddpkit.run.sharded_state import load_model
 log = logging.getLogger(__name__)
 
 
-class Run:
+class Run(RunPosition):
     """One training run, seen from one process: process group, engine, data, checkpoints, diagnostics.
 
     Reads what the launcher set (torchrun, ``ddpkit run``, SLURM, ``ddpkit.launch``, or nothing:
@@ -265,50 +266,6 @@ class Run:
         self._phase("eval: metric sums all_gather")
         with local_forwards(list(self.models.values())):
             return evaluate(dataset, fn, self.env, list(self.models.values()), seed=self.seed, **kwargs)
-
-    @property
-    def rank(self) -> int:
-        """This process's global rank, 0 to ``world_size - 1``."""
-        return self.env.rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its machine (its GPU's index when there are GPUs)."""
-        return self.env.local_rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of processes in the run."""
-        return self.env.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0, the one that writes files and logs. Calls that every rank must
-        make (``save``, ``evaluate``, ``finish``) do not belong under ``if run.is_main``."""
-        return self.env.is_rank0
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps begun (inside the loop, the running one counts); a resume starts at its own."""
-        return self.cycle.step
-
-    @property
-    def batch_offset(self) -> int:
-        """The place of this micro-batch's first sample in the step's global batch: its row in
-        ``run.all_gather``'s result (an InfoNCE's labels are ``run.batch_offset + arange(len(x))``)."""
-        micro = self.cycle.micro
-        return micro.offset if micro is not None else 0
-
-    @property
-    def at_step_end(self) -> bool:
-        """True after a step's last micro-batch came out of the loader: the step is complete once
-        the optimizer steps, and a collective here (``run.evaluate``) is reached by every rank."""
-        return self.cycle.at_step_end
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on global rank 0 only."""
-        if self.env.is_rank0:
-            print(*args, **kwargs, flush=True)
 
     def _phase(self, name: str) -> None:
         self.monitor.phase(self.cycle.step, name)
