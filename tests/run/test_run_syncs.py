@@ -7,11 +7,15 @@ tests/gpu runs the same steps under ``torch.cuda.set_sync_debug_mode("error")``.
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
+from helpers import metric_lines
 
 SYNCING = ("item", "tolist", "__bool__", "cpu")
 
@@ -55,3 +59,25 @@ def test_a_step_that_neither_logs_checks_nor_saves_adds_no_sync(monkeypatch, tmp
     busy = {1, 2, 3, 11, 12, 21, 22}
     assert all(per_step[step] == 0 for step in per_step if step not in busy), per_step
     assert sum(per_step[step] for step in busy) > 0  # the counting sees the log steps' own reads
+
+
+def test_the_metrics_line_gives_tokens_a_second_and_peak_memory(tmp_path):
+    # Token ids (B, T) count as tokens; the rate is the test's own clock's within 2x.
+    run = ddpkit.Run(out=tmp_path / "run", global_batch=8, log_every=5, progress=False)
+    model = run.setup(nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 12, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run.track(optimizer)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 50, (80, 12)), torch.randn(80, 1))
+    start = time.perf_counter()
+    for ids, y in run.loader(data):
+        optimizer.zero_grad()
+        run.backward(F.mse_loss(model(ids), y))
+        optimizer.step()
+    elapsed = time.perf_counter() - start
+    run.finish()
+    lines = [line for line in metric_lines(tmp_path / "run") if "loss" in line]
+    assert all(line["tokens_per_s"] == pytest.approx(12 * line["samples_per_s"]) for line in lines)
+    # Every token once over the lines' windows, and the windows' time is the loop's within 2x.
+    assert sum(line["tokens_per_s"] * line["time_s"] for line in lines) == pytest.approx(80 * 12)
+    assert elapsed / 2 < sum(line["time_s"] for line in lines) <= elapsed
+    assert all(line["peak_rss_mb"] > 10 for line in lines)

@@ -87,7 +87,7 @@ class Window:
         self._losses: list[Tensor] = []  # each backward's loss, still on the device
         self._weights: list[float] = []  # ... what it is multiplied by in the line's sum
         self._denoms: list[float | Tensor] = []  # ... and what it adds to the line's denominator
-        self.samples, self.start = 0, time.perf_counter()
+        self.samples, self.tokens, self.start = 0, 0, time.perf_counter()
         self.step_s: deque[float] = deque(maxlen=STEP_TIMES)  # the last steps' seconds, end to end
         self._at_start = (self.clock.data_s, self.clock.comm_wait_s)
 

@@ -34,7 +34,7 @@ from ddpkit.run.draws import SampleDraws
 from ddpkit.run.engine import mark_step, set_grad_sync
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.losses import StepLosses, check_differentiable
-from ddpkit.run.micro import Micro, to_device
+from ddpkit.run.micro import Micro, to_device, tokens_in
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
 from ddpkit.run.preempt import Preemption, exit_preempted
@@ -109,7 +109,7 @@ class StepCycle:
             began = time.perf_counter()
             batch = fetch()
             self.monitor.data(waited + time.perf_counter() - began)
-            self.enter(micro)
+            self.enter(micro, tokens_in(batch, micro.samples))
             try:
                 yield to_device(batch, self.env.device) if move else batch
             except GeneratorExit:  # the loop left (a break): say so if it cut a step or an epoch
@@ -150,13 +150,13 @@ class StepCycle:
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
         return True
 
-    def enter(self, micro: Micro) -> None:
-        """The loop is about to get ``micro``'s batch."""
+    def enter(self, micro: Micro, tokens: int = 0) -> None:
+        """The loop is about to get ``micro``'s batch (of ``tokens`` tokens that count)."""
         self.micro = micro
         self.gate.deferred = False
         self.draws.enter(self.step, micro)
         self.gate.accumulating = not micro.last
-        self.monitor.micro_batch(micro.samples)
+        self.monitor.micro_batch(micro.samples, tokens)
         if micro.samples and self.monitor.cfg.log_samples:
             self.indices += micro.indices
         if micro.first or micro.last:  # no_sync on all but the step's last micro-batch

@@ -9,6 +9,7 @@ no device sync. The pickled gather of run.log names and values runs only when so
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,16 @@ from torch import Tensor
 from ddpkit.diagnostics.stats import FIELDS, Window
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+
+HEAD = 6  # a row's fields before the timings: loss sum, its denominator, samples, tokens, peak memory x2
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, float]:
+    """This process's peak resident memory and (on a GPU) peak allocated device memory, in MiB:
+    counters the OS and the caching allocator keep, read without a device sync."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    cuda = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+    return rss, cuda
 
 
 @dataclass(frozen=True)
@@ -47,9 +58,10 @@ class LogGather:
     def start(self, step: int, window: Window, user: dict[str, list], extra: dict, signal: int) -> None:
         """Start gathering ``window`` (read, not reset) and ``user`` metrics as the line of ``step``."""
         now = time.perf_counter()
-        # (3 + len(FIELDS) + 3,): the loss sum and its denominator stay on the device, so nothing
+        # (HEAD + len(FIELDS) + 3,): the loss sum and its denominator stay on the device, so nothing
         # waits for them here.
-        row = [0.0, 0.0, float(window.samples), *window.spent(now), window.median_step_s()]
+        row = [0.0, 0.0, float(window.samples), float(window.tokens), *peak_memory_mb(self.env.device)]
+        row += [*window.spent(now), window.median_step_s()]
         mine = torch.tensor([*row, float(bool(user)), float(signal)], dtype=torch.float64).to(self.env.device)
         mine[:2].copy_(window.loss_sum())  # on the device, in float64: no sync
         rows = [torch.empty_like(mine) for _ in range(self.env.world_size)]
@@ -61,24 +73,31 @@ class LogGather:
         gather, self.pending = self.pending, None
         gather.work.wait()
         # One transfer to Python lists: each tensor op on a few numbers costs more than the numbers.
-        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, 3 + len(FIELDS) + 3)
+        table = torch.stack(gather.rows).cpu().tolist()  # (world_size, HEAD + len(FIELDS) + 3)
         # Whether any rank logged metrics rode on the tensor gather, so the pickled gather of their
         # names and values (ranks may have logged different ones) runs only when there are some.
         means = gather_means(self.env, gather.user) if max(row[-2] for row in table) > 0 else {}
         loss_sum, denom = sum(row[0] for row in table), sum(row[1] for row in table)
-        samples = int(sum(row[2] for row in table))
+        samples, tokens = int(sum(row[2] for row in table)), int(sum(row[3] for row in table))
         record = {
             "step": gather.step,
             "loss": loss_sum / denom if denom else 0.0,
             "samples_per_s": samples / gather.elapsed,
+            **({"tokens_per_s": tokens / gather.elapsed} if tokens else {}),
+            "peak_rss_mb": round(max(row[4] for row in table), 1),  # the largest rank's
+            **(
+                {"peak_cuda_mb": round(max(row[5] for row in table), 1)}
+                if self.env.device.type == "cuda"
+                else {}
+            ),
             "time_s": gather.elapsed,
             # The slowest rank's median step in the window: what default log lines are paced by.
-            "step_s": max(row[3 + len(FIELDS)] for row in table),
+            "step_s": max(row[HEAD + len(FIELDS)] for row in table),
             **gather.extra,
             **means,
             # Each rank's seconds in this window: `ddpkit report` sums them over the lines.
             "ranks": [
-                {"rank": r, **{f: round(row[3 + i], 6) for i, f in enumerate(FIELDS)}}
+                {"rank": r, **{f: round(row[HEAD + i], 6) for i, f in enumerate(FIELDS)}}
                 for r, row in enumerate(table)
             ],
         }

@@ -34,6 +34,22 @@ class Micro:
     offset: int = 0
 
 
+def tokens_in(batch: Any, samples: int) -> int:
+    """Tokens in a batch's ``samples`` samples: those of its first integer tensor of two or more
+    dimensions (``(B, T)`` token ids), 0 when it has none. Shapes only: no sync."""
+    found = _token_ids(batch)
+    return found[0].numel() * samples if found is not None and len(found) else 0
+
+
+def _token_ids(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return (
+            batch if batch.dim() >= 2 and not batch.is_floating_point() and not batch.is_complex() else None
+        )
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
+    return next((t for t in map(_token_ids, values) if t is not None), None)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a batch (a tensor, or tuples, lists and dicts of them) to ``device``."""
     if isinstance(batch, torch.Tensor):

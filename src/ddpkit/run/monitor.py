@@ -152,9 +152,10 @@ class Monitor:
         """Seconds the loop waited for its data (a batch, a stream's agreement)."""
         self.clock.data_s += seconds
 
-    def micro_batch(self, samples: int) -> None:
-        """A micro-batch of ``samples`` samples that count enters the loop."""
+    def micro_batch(self, samples: int, tokens: int = 0) -> None:
+        """A micro-batch of ``samples`` samples (and ``tokens`` tokens) that count enters the loop."""
         self.window.samples += samples
+        self.window.tokens += tokens
 
     def loss(self, loss: Tensor, weight: float, denom: float | Tensor) -> None:
         """A backward's loss, for the metrics line: ``weight x loss`` over ``denom`` (see Window)."""
@@ -241,7 +242,8 @@ class Monitor:
         if self.metrics is not None:
             self._write(record)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            speed = {"tok/s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record else {}
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", **speed, refresh=False)
         if self.cfg.rank_table_every and step % self.cfg.rank_table_every == 0:
             log.info("%s", rank_table(step, record["ranks"]))
         for rank, factor in stragglers(record["ranks"]):

@@ -30,6 +30,14 @@ def summarize(records: list[dict], cfg: dict | None) -> list[str]:
         )
     speeds = sorted(r["samples_per_s"] for r in logged)
     lines.append(f"throughput     median {speeds[len(speeds) // 2]:.1f} samples/s (all ranks)")
+    tokens = sorted(r["tokens_per_s"] for r in logged if "tokens_per_s" in r)
+    if tokens:
+        lines.append(f"tokens         median {tokens[len(tokens) // 2]:.0f} tokens/s (all ranks)")
+    peaks = [r["peak_rss_mb"] for r in logged if "peak_rss_mb" in r]
+    cuda = [r["peak_cuda_mb"] for r in logged if "peak_cuda_mb" in r]
+    if peaks:
+        device = f", {max(cuda):.0f} MiB allocated on a GPU" if cuda else ""
+        lines.append(f"peak memory    {max(peaks):.0f} MiB resident on the largest rank{device}")
     total = sum(r.get("time_s", 0.0) for r in logged)
     lines.append(f"time logged    {total:.2f}s; per rank (seconds, summed over the run):")
     lines += rank_totals(logged)
