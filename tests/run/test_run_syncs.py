@@ -7,15 +7,13 @@ tests/gpu runs the same steps under ``torch.cuda.set_sync_debug_mode("error")``.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import metric_lines
 from torch import nn
 
 import ddpkit
-from helpers import metric_lines
 
 SYNCING = ("item", "tolist", "__bool__", "cpu")
 
@@ -62,22 +60,44 @@ def test_a_step_that_neither_logs_checks_nor_saves_adds_no_sync(monkeypatch, tmp
 
 
 def test_the_metrics_line_gives_tokens_a_second_and_peak_memory(tmp_path):
-    # Token ids (B, T) count as tokens; the rate is the test's own clock's within 2x.
+    # Token ids (B, T) count as tokens: every token once over the lines' windows, at the rate of
+    # each window's own clock. (Against the test's clock it held within 2x, but not on a loaded
+    # machine: a timed assertion has no place in the suite.)
     run = ddpkit.Run(out=tmp_path / "run", global_batch=8, log_every=5, progress=False)
     model = run.setup(nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 12, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     run.track(optimizer)
     data = torch.utils.data.TensorDataset(torch.randint(0, 50, (80, 12)), torch.randn(80, 1))
-    start = time.perf_counter()
     for ids, y in run.loader(data):
         optimizer.zero_grad()
         run.backward(F.mse_loss(model(ids), y))
         optimizer.step()
-    elapsed = time.perf_counter() - start
     run.finish()
     lines = [line for line in metric_lines(tmp_path / "run") if "loss" in line]
+    assert [line["step"] for line in lines] == [1, 5, 10]
     assert all(line["tokens_per_s"] == pytest.approx(12 * line["samples_per_s"]) for line in lines)
-    # Every token once over the lines' windows, and the windows' time is the loop's within 2x.
     assert sum(line["tokens_per_s"] * line["time_s"] for line in lines) == pytest.approx(80 * 12)
-    assert elapsed / 2 < sum(line["time_s"] for line in lines) <= elapsed
+    assert all(line["time_s"] > 0 for line in lines)
     assert all(line["peak_rss_mb"] > 10 for line in lines)
+
+
+def test_a_non_finite_gradient_stops_a_step_later_naming_it_before_a_checkpoint(tmp_path):
+    # The norm of step 2 is read at step 3's optimizer step: the stop names step 2, and the
+    # checkpoint due at step 3 is never written.
+    run = ddpkit.Run(out=tmp_path / "run", global_batch=4, log_every=5, save_every=3, progress=False)
+    model = run.setup(nn.Linear(6, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run.track(optimizer)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randn(40, 1))
+    try:
+        with pytest.raises(FloatingPointError, match="step 2: the gradient norm is"):
+            for x, y in run.loader(data):
+                optimizer.zero_grad()
+                loss = F.mse_loss(model(x), y) * (float("inf") if run.step == 2 else 1.0)
+                run.backward(loss)
+                optimizer.step()
+    finally:
+        run.close()
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
