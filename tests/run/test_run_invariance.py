@@ -145,3 +145,22 @@ def test_a_break_in_the_middle_of_a_step_says_so():
             run.finish()
     finally:
         run.close()
+
+
+def test_a_count_loss_sharing_a_step_with_a_mean_loss_is_one_line():
+    # divide() would scale the mean loss's gradient by the count too: refused, not silent.
+    run = ddpkit.Run(global_batch=4, progress=False)
+    model = run.setup(torch.nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+    try:
+        with pytest.raises(ddpkit.ConfigError, match="cannot share a step with a reduction='mean' loss"):
+            for x, y in run.loader(data):
+                optimizer.zero_grad()
+                out = model(x)
+                run.backward(torch.nn.functional.cross_entropy(out, y))
+                run.backward(torch.nn.functional.cross_entropy(model(x), y, reduction="sum"), count=len(y))
+                optimizer.step()
+    finally:
+        run.close()

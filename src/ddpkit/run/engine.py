@@ -25,7 +25,7 @@ from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced
 from ddpkit.run.config import EngineConfig
-from ddpkit.run.local_engine import LocalEngine
+from ddpkit.run.local_engine import LocalEngine, numbered
 from ddpkit.run.precision import autocast_forward
 from ddpkit.run.sharded import is_sharded, set_sync, shard
 
@@ -208,17 +208,10 @@ def _unused_names(exc: RuntimeError, model: nn.Module) -> list[str] | None:
 
 
 def _torch_param_names(ddp: DistributedDataParallel) -> list[str]:
-    """The names of the parameters torch's DDP numbers, in its order: ``_build_params_for_reducer``
-    takes each module's own parameters (``named_modules`` order) that require grad and are not
-    ignored, each parameter once."""
-    ignored, seen, names = getattr(ddp, "parameters_to_ignore", set()), set(), []
-    for module_name, module in ddp.module.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}"  # torch's key, "." first for the root's own
-            if param.requires_grad and full not in ignored and id(param) not in seen:
-                seen.add(id(param))
-                names.append(_plain_name(full.lstrip(".")))
-    return names
+    """The names of the parameters torch's DDP numbers, in its order (``numbered``), less those
+    it was told to ignore."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    return [_plain_name(name) for name, _ in numbered(ddp.module) if name not in ignored]
 
 
 def _plain_name(name: str) -> str:

@@ -53,7 +53,7 @@ class LocalEngine(nn.Module):
     def _check_last_backward(self) -> None:
         # As DDP's reducer at the next forward: some gradients came, but not all of them.
         if self._armed and self._got:
-            missing = [name for name, p in _numbered(self.module) if id(p) not in self._got]
+            missing = [name for name, p in numbered(self.module) if id(p) not in self._got]
             if missing:
                 error = DataParallelError(f"{len(missing)} parameters got no gradient")
                 error.missing = missing
@@ -88,9 +88,9 @@ class LocalEngine(nn.Module):
         ]
 
 
-def _numbered(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Trainable parameters in torch DDP's order: each module's own, in ``named_modules`` order,
-    each parameter once."""
+def numbered(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters in torch DDP's order (``_build_params_for_reducer``): each module's
+    own, in ``named_modules`` order, each parameter once."""
     seen, found = set(), []
     for prefix, child in module.named_modules():
         for name, param in child.named_parameters(recurse=False):

@@ -44,10 +44,11 @@ class StepLosses:
         self.env = env
         self.count: torch.Tensor | float = 0.0  # this rank's items so far in the step
         self.counted_in: Micro | None = None  # the micro-batch of the last count= backward
+        self.kinds: set[str] = set()  # the step's kinds of loss: "mean", "sum", "count"
 
     def reset(self) -> None:
         """A step opens."""
-        self.count, self.counted_in = 0.0, None
+        self.count, self.counted_in, self.kinds = 0.0, None, set()
 
     def add(self, loss: torch.Tensor, reduction: str, count: Any, micro: Micro, monitor: Any) -> float:
         """Log ``loss`` as what it is and return what its backward multiplies it by."""
@@ -56,6 +57,7 @@ class StepLosses:
                 f"run.backward(reduction={reduction!r}): use 'mean' (a mean over the micro-batch's "
                 "samples), 'sum' (a sum over them) or count=N (a sum over N tokens or weights)"
             )
+        self._check_kind("count" if count is not None else reduction)
         counts = micro.samples > 0  # a stand-in sample counts for nothing
         world = self.env.world_size
         if count is None and reduction == "mean":
@@ -76,6 +78,19 @@ class StepLosses:
         self.count, self.counted_in = self.count + mine, micro
         monitor.loss(loss, float(counts), mine)
         return float(world * counts)
+
+    def _check_kind(self, kind: str) -> None:
+        # divide() acts on every gradient of the step: a loss of another kind in the same step
+        # (another model's mean loss, say) would be divided by the count too.
+        kinds = self.kinds | {kind}
+        if "count" in kinds and len(kinds) > 1:
+            other = sorted(kinds - {"count"})[0]
+            raise ConfigError(
+                f"run.backward(count=...) divides the whole step's gradient by the global count, so it "
+                f"cannot share a step with a reduction={other!r} loss; give that loss as a sum over the "
+                "same items in the one count= backward, or train the two on separate steps"
+            )
+        self.kinds = kinds
 
     def divide(self, models: Iterable[nn.Module]) -> None:
         """The step's last backward is done: its gradient, a sum over items, becomes their mean."""
