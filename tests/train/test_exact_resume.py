@@ -171,7 +171,10 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, worl
 def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_path, whole):
     # SLOW without its periodic checkpoints; the reference saved every 5 steps, and saving must
     # not change what is trained.
-    run = ["--micro-batch", "1", "--steps", "40", "--save-every", "1000"]
+    # A log line every step: the signal rides on its gather, so every rank stops at the step after
+    # it arrives. Paced by default, a fast run (2-3 ms a step) logged and agreed every 50 steps
+    # and could reach step 40 before agreeing (it failed 1 CI run in 3 that way).
+    run = ["--micro-batch", "1", "--steps", "40", "--save-every", "1000", "--log-every", "1"]
     cut = tmp_path / "cut"
     proc = subprocess.Popen(_cmd(cut, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
