@@ -23,7 +23,7 @@ USAGE = """usage: ddpkit COMMAND [ARGS]
 commands:
   train [TASK]       train a built-in workload (gpt, convnet, toy) or your task.py on every process
   run SCRIPT         launch a script on every process, exactly like torchrun
-  bench KIND         benchmarks: engine, comm, scaling, trainer, fsdp, dropout
+  bench KIND         benchmarks: engine, comm, scaling, trainer, fsdp, dropout, data
   report OUT         summarize a run and plot OUT/report.png
   inspect PATH       show and verify what a checkpoint holds
 
@@ -49,6 +49,7 @@ BENCHMARKS = {
     "trainer": "ddpkit.bench.trainer_bench",
     "fsdp": "ddpkit.bench.fsdp_bench",
     "dropout": "ddpkit.bench.dropout_bench",
+    "data": "ddpkit.bench.data_bench",
 }
 
 

@@ -322,5 +322,5 @@ def test_draws_from_a_datasets_own_torch_generator_alone_are_noticed():
     # Its state is 5056 bytes: compared by repr, the draw hid in the elided middle.
     fetch = SeededFetch(OwnTorchGenerator(), seed=3)
     together = fetch.__getitems__(_indices([4, 7], epoch=0))
-    assert fetch.draws is True
+    assert fetch.drawn == {"gen"}
     assert torch.equal(together[1], fetch.__getitems__(_indices([7], epoch=0))[0])

@@ -54,7 +54,33 @@ def test_fetching_leaves_the_training_process_generators_alone():
 def test_a_dataset_that_draws_nothing_is_not_reseeded():
     fetch = SeededFetch(TensorDataset(torch.arange(6.0)), seed=0)
     fetch.__getitems__(_indices([0, 1], epoch=0))
-    assert fetch.draws is False
+    assert fetch.drawn == set()
+
+
+class RareDraw(torch.utils.data.Dataset):
+    """Draws from numpy's global generator for one sample in ten, and from a generator of its own
+    for every sample."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        rare = np.random.rand() if i == 7 else 0.0
+        return torch.tensor([i, self.rng.random(), rare])
+
+
+def test_a_draw_that_comes_rarely_is_seeded_and_its_batch_fetched_again():
+    fetch = SeededFetch(RareDraw(), seed=3)
+    first = fetch.__getitems__(_indices([4, 5], epoch=0))
+    assert fetch.drawn == {"rng"}  # numpy's global generator is not seeded before it is drawn from
+    together = fetch.__getitems__(_indices([4, 7, 1], epoch=0))
+    assert fetch.drawn == {"rng", "numpy"}
+    alone = SeededFetch(RareDraw(), seed=3)
+    assert torch.equal(alone.__getitems__(_indices([7], epoch=0))[0], together[1])  # a fresh copy agrees
+    assert torch.equal(first[0], together[0])
 
 
 def _data() -> TensorDataset:

@@ -120,7 +120,6 @@ class MapSource:
         plan with the call that fetches its batch, which the step cycle makes after opening the step."""
         plan = plan_epoch(self.sampler, self.micro_batch)  # rolls over to the next epoch when due
         self._plan_sampler.plan, self._plan_sampler.epoch = plan, self.epoch
-        self.dataloader.dataset.draws = None  # test again, each epoch, whether the dataset draws
         self._generator.manual_seed(hash((self.sampler.seed, self.epoch, self.sampler.state.consumed)))
         fetch = functools.partial(next, iter(self.dataloader))
         return ((micro, fetch) for micro in plan)
