@@ -94,10 +94,9 @@ def per_sample_us(dataset: Dataset, batch: int, rounds: int = 20) -> tuple[float
     for r in range(rounds):
         indices = EpochIndices((r * batch + k) % len(dataset) for k in range(batch))
         indices.epoch = 0
-        for name, fetch in (
-            ("plain", lambda: [dataset[i] for i in indices]),
-            ("seeded", lambda: seeded.__getitems__(indices)),
-        ):
+        fetches = {"plain": lambda ix=indices: [dataset[i] for i in ix]}
+        fetches["seeded"] = lambda ix=indices: seeded.__getitems__(ix)
+        for name, fetch in fetches.items():
             start = time.perf_counter()
             fetch()
             times[name].append((time.perf_counter() - start) / batch * 1e6)
@@ -138,7 +137,8 @@ def main(argv: list[str]) -> int:
     for name, dataset in datasets(ns.batch * ns.batches).items():
         plain_us, seeded_us = per_sample_us(dataset, ns.batch)
         row = {"plain_us_per_sample": plain_us, "seeded_us_per_sample": seeded_us}
-        line = f"{name:<8} fetch {plain_us:6.1f} us/sample, seeded {seeded_us:6.1f} (+{seeded_us - plain_us:.1f})"
+        line = f"{name:<8} fetch {plain_us:6.1f} us/sample, seeded {seeded_us:6.1f}"
+        line += f" (+{seeded_us - plain_us:.1f})"
         for workers in map(int, ns.workers.split(",")):
             result = measure(dataset, ns.batch, workers, ns.rounds, ns.batches)
             row[f"workers_{workers}"] = result
