@@ -91,6 +91,7 @@ class _RunEngine:
                 raise
             return getattr(module, name)
 
+    @torch.compiler.disable(recursive=False)  # torch.compile compiles the user's module inside
     def forward(self, *inputs, **kwargs):
         if torch.is_grad_enabled() and not self._follow_trainable():
             # Every parameter frozen (a GAN's discriminator in the generator's pass): a plain
@@ -104,6 +105,7 @@ class _RunEngine:
                 raise
             raise _unused_error(names, type(unwrap(self)).__name__) from None
 
+    @torch.compiler.disable
     def _follow_trainable(self) -> bool:
         """Re-plan the engine when what requires grad changed since the last training forward.
 

@@ -45,11 +45,13 @@ class LocalEngine(nn.Module):
         self._watching = not find_unused_parameters
         self.replan()
 
+    @torch.compiler.disable(recursive=False)  # torch.compile compiles the user's module inside
     def forward(self, *inputs, **kwargs):
         if self._watching:
             self._check_last_backward()
         return self.module(*inputs, **kwargs)
 
+    @torch.compiler.disable
     def _check_last_backward(self) -> None:
         # As DDP's reducer at the next forward: some gradients came, but not all of them.
         if self._armed and self._got:
