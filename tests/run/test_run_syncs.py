@@ -14,6 +14,8 @@ from helpers import metric_lines
 from torch import nn
 
 import ddpkit
+from ddpkit.errors import ConfigError
+from ddpkit.run.log_gather import device_peak
 
 SYNCING = ("item", "tolist", "__bool__", "cpu")
 
@@ -63,7 +65,9 @@ def test_the_metrics_line_gives_tokens_a_second_and_peak_memory(tmp_path):
     # Token ids (B, T) count as tokens: every token once over the lines' windows, at the rate of
     # each window's own clock. (Against the test's clock it held within 2x, but not on a loaded
     # machine: a timed assertion has no place in the suite.)
-    run = ddpkit.Run(out=tmp_path / "run", global_batch=8, log_every=5, progress=False)
+    # mfu: the samples' FLOPs over the window's seconds and every device's peak (one here).
+    options = {"flops_per_sample": 3e6, "peak_flops": 1e12}
+    run = ddpkit.Run(out=tmp_path / "run", global_batch=8, log_every=5, progress=False, **options)
     model = run.setup(nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 12, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     run.track(optimizer)
@@ -79,6 +83,14 @@ def test_the_metrics_line_gives_tokens_a_second_and_peak_memory(tmp_path):
     assert sum(line["tokens_per_s"] * line["time_s"] for line in lines) == pytest.approx(80 * 12)
     assert all(line["time_s"] > 0 for line in lines)
     assert all(line["peak_rss_mb"] > 10 for line in lines)
+    assert all(line["mfu"] == pytest.approx(line["samples_per_s"] * 3e6 / 1e12) for line in lines)
+
+
+def test_mfu_needs_a_peak_and_refuses_a_non_positive_count():
+    with pytest.raises(ConfigError, match=r"flops_per_sample=0 must be a positive number of FLOPs, or None"):
+        ddpkit.Run(flops_per_sample=0)
+    assert device_peak(torch.device("cpu"), None) is None  # no mfu on a CPU unless peak_flops is given
+    assert device_peak(torch.device("cpu"), 2e12) == 2e12
 
 
 def test_a_non_finite_gradient_stops_a_step_later_naming_it_before_a_checkpoint(tmp_path):

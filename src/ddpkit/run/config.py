@@ -242,6 +242,10 @@ class DiagnosticsConfig:
         trackers: experiment trackers rank 0 sends every metrics line to, any of ``tensorboard``,
             ``mlflow`` and ``wandb`` (a list is taken; each needs its extra, such as
             ``pip install "ddpkit[mlflow]"``); a resumed run continues their runs. See docs/trackers.md.
+        flops_per_sample: the model's FLOPs for one sample's forward and backward (a transformer:
+            about 6 x parameters x tokens a sample); with a device peak, log lines carry ``mfu``.
+        peak_flops: one device's peak FLOP/s for ``mfu``; None: a GPU's dense bf16 peak from
+            ddpkit's table of common GPUs (none on a CPU or an unlisted GPU: no ``mfu``).
     """
 
     log_every: int | None = None
@@ -253,8 +257,13 @@ class DiagnosticsConfig:
     progress: bool = True
     log_samples: bool = False
     trackers: tuple[str, ...] = ()
+    flops_per_sample: float | None = None
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("flops_per_sample", "peak_flops"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive number of FLOPs, or None")
         if not isinstance(self.trackers, list | tuple):
             raise ConfigError(f"trackers={self.trackers!r} must be a list of names, such as ['tensorboard']")
         object.__setattr__(self, "trackers", tuple(dict.fromkeys(self.trackers)))  # frozen: set once here

@@ -32,6 +32,22 @@ def peak_memory_mb(device: torch.device) -> tuple[float, float]:
     return rss, cuda
 
 
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, matched in this order
+# against torch.cuda.get_device_name(); fp16 where the GPU has no bf16 (V100, T4).
+GPU_PEAKS = (
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+    ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("V100", 125e12), ("T4", 65e12),
+)  # fmt: skip
+
+
+def device_peak(device: torch.device, given: float | None) -> float | None:
+    """One device's peak FLOP/s: ``given``, else a listed GPU's; None when neither is known."""
+    if given is not None or device.type != "cuda":
+        return given
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAKS if key in name), None)
+
+
 @dataclass(frozen=True)
 class _InFlight:
     """A log step's gather in flight: what its record needs once the rows arrive."""
@@ -49,11 +65,18 @@ class LogGather:
 
     Args:
         env: this process's distributed environment (the device the rows live on).
+        flops_per_sample: FLOPs of one sample's forward and backward; None: no mfu.
+        peak: one device's peak FLOP/s (``device_peak``); None: no mfu.
     """
 
-    def __init__(self, env: DistEnv) -> None:
+    def __init__(
+        self, env: DistEnv, flops_per_sample: float | None = None, peak: float | None = None
+    ) -> None:
         self.env = env
         self.pending: _InFlight | None = None
+        # FLOP/s of every device together, for mfu; None: not known, no mfu.
+        self.world_peak = peak * env.world_size if flops_per_sample and peak else None
+        self.flops_per_sample = flops_per_sample
 
     def start(self, step: int, window: Window, user: dict[str, list], extra: dict, signal: int) -> None:
         """Start gathering ``window`` (read, not reset) and ``user`` metrics as the line of ``step``."""
@@ -84,6 +107,11 @@ class LogGather:
             "loss": loss_sum / denom if denom else 0.0,
             "samples_per_s": samples / gather.elapsed,
             **({"tokens_per_s": tokens / gather.elapsed} if tokens else {}),
+            **(
+                {"mfu": samples * self.flops_per_sample / gather.elapsed / self.world_peak}
+                if self.world_peak
+                else {}
+            ),
             "peak_rss_mb": round(max(row[4] for row in table), 1),  # the largest rank's
             **(
                 {"peak_cuda_mb": round(max(row[5] for row in table), 1)}

@@ -25,7 +25,7 @@ from ddpkit.diagnostics.stats import StepClock, Window, rank_table, stragglers
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import DiagnosticsConfig
-from ddpkit.run.log_gather import LogGather, gather_means
+from ddpkit.run.log_gather import LogGather, device_peak, gather_means
 from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
 from ddpkit.run.trackers import Trackers, check_installed, run_params
 
@@ -81,7 +81,8 @@ class Monitor:
         self.every = cfg.log_every or LOG_EVERY[0]  # steps between log lines, for now
         # ... and between replica checks (0: none)
         self.check_every = CHECK_EVERY[0] if cfg.check_every is None else cfg.check_every
-        self.gather = LogGather(env)  # the last log step's gather, still in flight
+        # The last log step's gather, still in flight.
+        self.gather = LogGather(env, cfg.flops_per_sample, device_peak(env.device, cfg.peak_flops))
 
     def _truncate_samples(self, step: int) -> None:
         # A resumed run (maybe at another world size) redoes the steps after its checkpoint:
@@ -243,6 +244,7 @@ class Monitor:
             self._write(record)
         if self.bar is not None:
             speed = {"tok/s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record else {}
+            speed |= {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", **speed, refresh=False)
         if self.cfg.rank_table_every and step % self.cfg.rank_table_every == 0:
             log.info("%s", rank_table(step, record["ranks"]))

@@ -33,6 +33,9 @@ def summarize(records: list[dict], cfg: dict | None) -> list[str]:
     tokens = sorted(r["tokens_per_s"] for r in logged if "tokens_per_s" in r)
     if tokens:
         lines.append(f"tokens         median {tokens[len(tokens) // 2]:.0f} tokens/s (all ranks)")
+    mfu = sorted(r["mfu"] for r in logged if "mfu" in r)
+    if mfu:
+        lines.append(f"MFU            median {mfu[len(mfu) // 2]:.1%} of the devices' peak")
     peaks = [r["peak_rss_mb"] for r in logged if "peak_rss_mb" in r]
     cuda = [r["peak_cuda_mb"] for r in logged if "peak_cuda_mb" in r]
     if peaks:
