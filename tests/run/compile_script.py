@@ -56,6 +56,23 @@ def train(engine: str, order: str, out: str | None = None, kill_at: int = 0) -> 
     return {"losses": losses, "graphs": counters["stats"]["unique_graphs"], "breaks": breaks}
 
 
+def sequential_graphs(engine: str) -> int:
+    """Graphs made for an nn.Sequential of torch's layers compiled after setup (dynamo skips
+    the frames of torch's own files when they are called from a frame it does not trace)."""
+    torch._dynamo.reset()
+    counters.clear()
+    run = ddpkit.Run(global_batch=8, engine=engine, progress=False)
+    model = torch.compile(run.setup(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    for (x,) in run.loader(TensorDataset(torch.randn(16, 4))):
+        optimizer.zero_grad()
+        run.backward(model(x).square().mean())
+        optimizer.step()
+    run.finish()
+    return counters["stats"]["unique_graphs"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -7,7 +7,9 @@
   per-rank timings, metrics.jsonl, replica fingerprints, non-finite check).
 
 Both use the same AdamW, the same warmup-cosine learning rate and the same clipping, so they do
-the same arithmetic; each ``run(steps)`` times whole steps, data loading included.
+the same arithmetic (bf16 autocast and ``torch.compile`` for both when asked); each ``run(steps)``
+times whole steps, data loading included. A step's time is read at its end without a device
+sync: on a GPU the loops are timed over whole blocks (``time``), whose last step syncs.
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ class HandLoop:
     """The tutorial loop, with the same schedule and clipping as the others."""
 
     def __init__(self, job, dataset: Dataset, cfg, env, num_workers: int) -> None:
-        self.cfg, self.loss_fn = cfg, job.loss_fn
-        bare = copy.deepcopy(job.model)
+        self.cfg, self.loss_fn, self.device = cfg, job.loss_fn, env.device
+        bare = copy.deepcopy(job.model).to(env.device)
         self.model = DistributedDataParallel(bare) if env.world_size > 1 else bare
+        if cfg.compile:
+            self.model = torch.compile(self.model)
+        # The tutorial's bf16: autocast around the forward and the loss, fp32 weights.
+        self.autocast = torch.autocast(env.device.type, torch.bfloat16, enabled=cfg.precision == "bf16")
         self.optimizer = make_optimizer(bare, cfg.lr, cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(cfg))
         self.sampler = DistributedSampler(dataset, env.world_size, env.rank, shuffle=True, seed=cfg.seed)
@@ -76,14 +82,24 @@ class HandLoop:
     def run(self, steps: int) -> None:
         for _ in range(steps):
             start = time.perf_counter()
-            x, y = self._next_batch()
-            loss = self.loss_fn(self.model(x), y)
+            x, y = (t.to(self.device, non_blocking=True) for t in self._next_batch())
+            with self.autocast:
+                loss = self.loss_fn(self.model(x), y)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             self.times.append(time.perf_counter() - start)
+        block_end(self.device, self.times)
+
+
+def block_end(device: torch.device, times: list[float]) -> None:
+    """On a GPU, wait for the block's kernels and count the wait in its last step."""
+    if device.type == "cuda":
+        start = time.perf_counter()
+        torch.cuda.synchronize(device)
+        times[-1] += time.perf_counter() - start
 
 
 class RunLoop:
@@ -92,11 +108,14 @@ class RunLoop:
     def __init__(self, job, dataset: Dataset, cfg, out: str, num_workers: int) -> None:
         self.loss_fn = job.loss_fn
         self.ddpkit_run = ddpkit.Run(
-            out=out, global_batch=cfg.global_batch, grad_clip=cfg.grad_clip, progress=False
-        )
+            out=out, global_batch=cfg.global_batch, grad_clip=cfg.grad_clip, progress=False,
+            precision=cfg.precision,
+        )  # fmt: skip
         model = copy.deepcopy(job.model)
         self.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
         self.model = self.ddpkit_run.setup(model, self.optimizer)
+        if cfg.compile:
+            self.model = torch.compile(self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(cfg))
         self.ddpkit_run.track(self.scheduler)
         self.loader = self.ddpkit_run.loader(dataset, num_workers=num_workers)
@@ -120,6 +139,7 @@ class RunLoop:
             self.optimizer.step()
             self.scheduler.step()
             self.times.append(time.perf_counter() - start)
+        block_end(self.ddpkit_run.device, self.times)
 
     def close(self) -> None:
         self.ddpkit_run.finish()

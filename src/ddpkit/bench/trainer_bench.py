@@ -25,12 +25,16 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import ddpkit
 from ddpkit.bench.engine_summary import interval90
 from ddpkit.bench.loops import HandLoop, RunLoop, SlowData
-from ddpkit.errors import OneLineParser
+from ddpkit.data.text import CharDataset
+from ddpkit.errors import ConfigError, OneLineParser
+from ddpkit.models.gpt import GPT, GPTConfig
 from ddpkit.run import Run
+from ddpkit.run.log_gather import device_peak, peak_memory_mb
 from ddpkit.train import Task, Trainer
 from ddpkit.train.job import layered
 from ddpkit.train.workloads import WORKLOADS, get_workload
@@ -38,7 +42,7 @@ from ddpkit.train.workloads import WORKLOADS, get_workload
 
 def _rank(ns_dict: dict, out: str) -> dict:
     ns = _Args(**ns_dict)
-    env = ddpkit.init_distributed("gloo")
+    env = ddpkit.init_distributed("nccl" if ns.device == "cuda" else "gloo")
     # AdamW's second moments on small models decay into denormal floats, whose arithmetic is
     # ~100x slower on x86 CPUs and drifts over the run; flushing them (for every loop alike)
     # keeps that from drowning the loop overhead this bench measures.
@@ -47,28 +51,57 @@ def _rank(ns_dict: dict, out: str) -> dict:
         torch.manual_seed(0)
         steps = ns.blocks * ns.block
         given = {"global_batch": ns.global_batch, "out": out, "steps": steps, "progress": False}
-        job_cfg = layered(ns.workload, WORKLOADS[ns.workload].defaults, given | {"save_every": 0})
-        cfg = _Args(**job_cfg.values())  # the loops read the flat fields (lr, grad_clip, ...)
-        job = get_workload(ns.workload).build(job_cfg)
+        given |= {"save_every": 0, "precision": ns.precision}
+        job_cfg = layered(ns.workload, WORKLOADS[ns.workload].defaults, given)
+        # The loops read the flat fields (lr, grad_clip, ...).
+        cfg = _Args(**job_cfg.values(), compile=ns.compile)
+        job = sized(get_workload(ns.workload).build(job_cfg), ns.gpt)
         dataset = SlowData(job.dataset, ns.slow_data_ms) if ns.slow_data_ms else job.dataset
         loops = {"hand": HandLoop(job, dataset, cfg, env, ns.num_workers)}
         loops["run"] = RunLoop(job, dataset, cfg, f"{out}/run", ns.num_workers)
         loops["trainer"] = TrainerLoop(job, dataset, job_cfg, ns.num_workers)
         cpu: dict[str, list[float]] = {name: [] for name in loops}
+        peak: dict[str, float] = dict.fromkeys(loops, 0.0)
         for round_ in range(ns.blocks):
             # ABBA order: whichever loop goes first in a round also meets what the one before it
             # left running (its DataLoader workers refilling), so the order flips every round.
             order = list(loops.items()) if round_ % 2 == 0 else list(loops.items())[::-1]
             for name, loop in order:
+                if env.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(env.device)
                 start = time.thread_time()
                 loop.run(ns.block)
                 cpu[name].append(time.thread_time() - start)
+                peak[name] = max(peak[name], peak_memory_mb(env.device)[1])
         loops["run"].close()
         loops["trainer"].close()
         # First block: warm-up.
-        return {"times": {name: loop.times[ns.block :] for name, loop in loops.items()}, "cpu": cpu}
+        times = {name: loop.times[ns.block :] for name, loop in loops.items()}
+        return {"times": times, "cpu": cpu, "peak_cuda_mb": peak, "per_sample": per_sample(job, env.device)}
     finally:
         ddpkit.destroy()
+
+
+def sized(job: Task, gpt: str) -> Task:
+    """The workload's task, or with ``gpt="small"`` its GPT at GPT-2 small's shape (12 layers of
+    768, 12 heads, 1024 tokens of context; 85M parameters besides the embeddings)."""
+    if gpt == "default":
+        return job
+    shape = GPTConfig(
+        vocab_size=job.model.config.vocab_size, block_size=1024, n_layer=12, n_head=12, n_embd=768
+    )
+    return Task(GPT(shape), CharDataset(job.dataset.data, shape.block_size), job.loss_fn)
+
+
+def per_sample(job: Task, device: torch.device) -> dict:
+    """One sample's tokens (its input's length when that is token ids) and FLOPs (forward and
+    backward, counted once by torch's FlopCounterMode on a copy of the model)."""
+    x, y = (t.unsqueeze(0).to(device) for t in job.dataset[0])
+    model = copy.deepcopy(job.model).to(device)
+    with FlopCounterMode(display=False) as counter:
+        job.loss_fn(model(x), y).backward()
+    tokens = x.shape[1] if not x.is_floating_point() and x.dim() == 2 else 0
+    return {"tokens": tokens, "flops": counter.get_total_flops()}
 
 
 class _Args:
@@ -135,6 +168,20 @@ def summarize(ranks: list[dict], block: int) -> dict:
     return rows
 
 
+def speeds(rows: dict, ranks: list[dict], ns) -> None:
+    """Tokens a second, MFU and peak device memory per loop, from its median step (on a GPU the
+    whole blocks' time, which waits for the device, gives the same per step within noise)."""
+    sample = ranks[0]["per_sample"]
+    peak = device_peak(torch.device(ns.device), ns.peak_flops)
+    for name, row in rows.items():
+        per_s = ns.global_batch / (row["median_ms"] / 1e3)
+        if sample["tokens"]:
+            row["tokens_per_s"] = per_s * sample["tokens"]
+        if peak:
+            row["mfu"] = per_s * sample["flops"] / (peak * ns.nproc)
+        row["peak_cuda_mb"] = max(r["peak_cuda_mb"][name] for r in ranks)
+
+
 def _targets(ns) -> str:
     if ns.num_workers:  # the issue's target for slow data is throughput, i.e. time per step
         return f"time <= {1 / 0.95:.3f} (throughput >= 0.95)"
@@ -150,14 +197,34 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--block", type=int, default=10, help="steps per block")
     parser.add_argument("--slow-data-ms", type=float, default=0.0, help="CPU milliseconds per sample")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every loop's model")
+    parser.add_argument(
+        "--gpt", choices=("default", "small"), default="default", help="small: GPT-2 small's shape"
+    )
+    parser.add_argument(
+        "--peak-flops", type=float, help="one device's peak FLOP/s for MFU (default: a GPU's)"
+    )
     parser.add_argument("--json", help="write the results here")
     ns = parser.parse_args(argv)
+    if ns.gpt != "default" and ns.workload != "gpt":
+        raise ConfigError(f"--gpt {ns.gpt} sizes the gpt workload's model; drop it for {ns.workload}")
+    if ns.device == "cuda" and torch.cuda.device_count() < ns.nproc:
+        raise ConfigError(
+            f"--device cuda --nproc {ns.nproc} needs {ns.nproc} GPUs; this machine has "
+            f"{torch.cuda.device_count()}: pass --nproc {torch.cuda.device_count()} or --device cpu"
+        )
     with TemporaryDirectory(prefix="ddpkit-bench-") as out:
         ranks = ddpkit.launch(_rank, ns.nproc, (vars(ns), out))
     rows = summarize(ranks, ns.block)
+    speeds(rows, ranks, ns)
     timed = len(ranks[0]["times"]["hand"])
     print(
-        f"# ddpkit bench trainer: {ns.workload}, {ns.nproc} processes, global batch {ns.global_batch}, "
+        f"# ddpkit bench trainer: {ns.workload}, {ns.nproc} processes on {ns.device}, {ns.precision}"
+        f"{', compiled' if ns.compile else ''}, global batch {ns.global_batch}, "
         f"{ns.num_workers} DataLoader workers, {ns.slow_data_ms:g} ms of CPU per sample; "
         f"{timed} timed steps each, alternating blocks of {ns.block}; ratios: median [90% interval]"
     )
@@ -166,6 +233,9 @@ def main(argv: list[str]) -> int:
     for name, row in rows.items():
         line = f"{names[name]:<22} median {row['median_ms']:8.2f} ms/step"
         line += f", CPU {row['cpu_ms_per_step']:7.2f} ms"
+        line += f", {row['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in row else ""
+        line += f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
+        line += f", peak {row['peak_cuda_mb']:.0f} MiB" if row.get("peak_cuda_mb") else ""
         if name != "hand":
             for kind in ("step", "time", "cpu"):
                 low, high = row[f"{kind}_interval90"]

@@ -18,7 +18,13 @@ from ddpkit.parallel.compression import make_hook
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.join import DataParallelJoinHook, agree_on_rank, agree_to_sync
 from ddpkit.parallel.reducer import Reducer
-from ddpkit.parallel.sync import broadcast_coalesced, find_tensors, map_tensors, verify_same_params
+from ddpkit.parallel.sync import (
+    broadcast_coalesced,
+    call_module,
+    find_tensors,
+    map_tensors,
+    verify_same_params,
+)
 from ddpkit.parallel.torch_hooks import TorchCommHook, check_comm_hook
 
 
@@ -143,11 +149,10 @@ class DataParallel(nn.Module, Joinable):
 
     # As torch's DDP: torch.compile compiles the module this calls, as one graph; the reducer's
     # bookkeeping around it runs eagerly, never traced (traced, it cost 3 more graphs, 5 breaks).
-    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs, **kwargs):
         """Run the wrapped module; when gradients will be synchronized, arm the reducer."""
         will_sync, inputs, kwargs = self._pre_forward(inputs, kwargs)
-        return self._post_forward(self.module(*inputs, **kwargs), will_sync)
+        return self._post_forward(call_module(self.module, *inputs, **kwargs), will_sync)
 
     @torch.compiler.disable
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[bool, tuple, dict]:

@@ -107,3 +107,11 @@ def map_tensors(obj: object, fn: Callable[[Tensor], Tensor]) -> object:
     if isinstance(obj, dict):
         return type(obj)((key, map_tensors(value, fn)) for key, value in obj.items())
     return obj
+
+
+def call_module(module: nn.Module, *inputs, **kwargs) -> object:
+    """``module(*inputs, **kwargs)`` from a frame of ddpkit's own. An engine's forward is not
+    traced by torch.compile (as torch's DDP's is not); dynamo starts again at the frames it calls,
+    but skips those in torch's own files, so an ``nn.Sequential`` of torch's layers called from
+    the engine directly would run uncompiled. This frame is traced, and the module with it."""
+    return module(*inputs, **kwargs)

@@ -23,7 +23,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.parallel import DataParallel
 from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.errors import DataParallelError
-from ddpkit.parallel.sync import broadcast_coalesced
+from ddpkit.parallel.sync import broadcast_coalesced, call_module
 from ddpkit.run.config import EngineConfig
 from ddpkit.run.local_engine import LocalEngine, numbered
 from ddpkit.run.precision import autocast_forward
@@ -91,12 +91,11 @@ class _RunEngine:
                 raise
             return getattr(module, name)
 
-    @torch.compiler.disable(recursive=False)  # torch.compile compiles the user's module inside
     def forward(self, *inputs, **kwargs):
         if torch.is_grad_enabled() and not self._follow_trainable():
             # Every parameter frozen (a GAN's discriminator in the generator's pass): a plain
             # forward, which prepares no all-reduce for gradients none of them will get.
-            return self.module(*inputs, **kwargs)
+            return call_module(self.module, *inputs, **kwargs)
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as exc:

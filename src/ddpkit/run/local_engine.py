@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ddpkit.parallel.errors import DataParallelError
+from ddpkit.parallel.sync import call_module
 
 WATCHED_STEPS = 3  # steps whose backward passes are checked for parameters without a gradient
 
@@ -45,11 +46,10 @@ class LocalEngine(nn.Module):
         self._watching = not find_unused_parameters
         self.replan()
 
-    @torch.compiler.disable(recursive=False)  # torch.compile compiles the user's module inside
     def forward(self, *inputs, **kwargs):
         if self._watching:
             self._check_last_backward()
-        return self.module(*inputs, **kwargs)
+        return call_module(self.module, *inputs, **kwargs)
 
     @torch.compiler.disable
     def _check_last_backward(self) -> None:
