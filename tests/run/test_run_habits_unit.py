@@ -52,9 +52,33 @@ def test_fetching_leaves_the_training_process_generators_alone():
 
 
 def test_a_dataset_that_draws_nothing_is_not_reseeded():
-    fetch = SeededFetch(TensorDataset(torch.arange(6.0)), seed=0)
+    fetch = SeededFetch(_Fixed(), seed=0)
     fetch.__getitems__(_indices([0, 1], epoch=0))
-    assert fetch.drawn == set()
+    assert fetch.drawn == set() and not fetch.plain  # watched, in case a later sample draws
+    tensors = TensorDataset(torch.arange(6.0))
+    assert SeededFetch(torch.utils.data.Subset(tensors, [1, 2]), seed=0).plain  # torch's cannot draw
+
+
+class _Fixed(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(float(i))
+
+
+class _Augmented(TensorDataset):
+    def __getitem__(self, i: int) -> tuple:
+        return (self.tensors[0][i] + torch.rand(()),)
+
+
+def test_a_subclass_of_a_dataset_that_draws_nothing_is_watched():
+    fetch = SeededFetch(_Augmented(torch.arange(6.0)), seed=0)
+    together = fetch.__getitems__(_indices([1, 2], epoch=0))
+    assert not fetch.plain and fetch.drawn == {"torch"}
+    assert torch.equal(
+        together[1][0], SeededFetch(_Augmented(torch.arange(6.0)), 0).__getitems__(_indices([2], 0))[0][0]
+    )
 
 
 class RareDraw(torch.utils.data.Dataset):

@@ -5,7 +5,10 @@ every generator the dataset draws from before each sample (``run/seeding.py``), 
 sample draws the same on any number of processes and after a resume. This benchmark prices that
 in a world of one, on three datasets of 32x32 images:
 
-- ``tensor``: a TensorDataset, the cheapest there is; it draws nothing, so nothing is seeded;
+- ``tensor``: a TensorDataset, the cheapest there is; torch's own, it cannot draw, and is
+  fetched plainly;
+- ``fixed``: the same samples from a class of the user's, which draws nothing but might: it is
+  watched every batch;
 - ``crop``: a random 32x32 crop of a 40x40 image and a random flip, drawn from the dataset's
   own ``np.random.default_rng()`` (the issue's "20-50 us of work a sample");
 - ``globals``: the same crop drawn from python's, numpy's and torch's global generators.
@@ -65,10 +68,24 @@ class Crops(Dataset):
         return (x - _MEAN) / _STD, self.labels[i]
 
 
+class Fixed(Dataset):
+    """Ready images, as a TensorDataset, but a class of the user's: it might draw, so it is watched."""
+
+    def __init__(self, images: torch.Tensor) -> None:
+        self.images, self.labels = images, torch.arange(len(images)) % 10
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
+
+
 def datasets(n: int) -> dict[str, Dataset]:
     images = torch.randn(n, 3, 32, 32)
     return {
         "tensor": TensorDataset(images, torch.arange(n) % 10),
+        "fixed": Fixed(images),
         "crop": Crops(n, own_generator=True),
         "globals": Crops(n, own_generator=False),
     }

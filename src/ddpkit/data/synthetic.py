@@ -27,6 +27,8 @@ class ToyDataset(Dataset):
         ConfigError: If ``num_samples`` is not positive or ``noise_std`` is negative.
     """
 
+    draws_random = False  # its samples are fixed: run.loader need not seed them
+
     def __init__(self, num_samples: int = 1024, seed: int = 0, noise_std: float = 0.01) -> None:
         if num_samples < 1:
             raise ConfigError(f"num_samples must be >= 1, got {num_samples}")

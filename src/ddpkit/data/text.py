@@ -124,6 +124,8 @@ class CharDataset(Dataset):
         ConfigError: If ``data`` is not 1-D or holds no more than ``block_size`` tokens.
     """
 
+    draws_random = False  # its samples are fixed: run.loader need not seed them
+
     def __init__(self, data: torch.Tensor, block_size: int) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
