@@ -5,6 +5,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
+from ddpkit.run.materialize import empty_init
 from ddpkit.train.task import Task
 from ddpkit.version import __version__
 
@@ -17,6 +18,7 @@ __all__ = [
     "Task",
     "__version__",
     "destroy",
+    "empty_init",
     "init_distributed",
     "launch",
 ]

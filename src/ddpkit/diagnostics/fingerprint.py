@@ -28,6 +28,8 @@ def fingerprint(module: nn.Module, buffers: bool = True) -> tuple[list[str], tor
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
     tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else [])]
     for name, tensor in tensors:
+        if tensor.is_meta:  # no values yet (run.setup gives a meta model its own)
+            continue
         if dtensor and isinstance(tensor, dtensor):
             if any(placement.is_shard() for placement in tensor.placements):
                 continue

@@ -26,6 +26,7 @@ from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced, call_module
 from ddpkit.run.config import EngineConfig
 from ddpkit.run.local_engine import LocalEngine, numbered
+from ddpkit.run.materialize import has_meta
 from ddpkit.run.precision import autocast_forward
 from ddpkit.run.sharded import is_sharded, set_sync, shard
 
@@ -43,7 +44,8 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
         raise ConfigError(f"{what} needs GPUs (torch refuses it on CPU); leave it off, or use bf16 on CPU")
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameter that requires grad; nothing to train")
-    model = model.to(env.device)
+    if not has_meta(model):  # a meta model on fsdp gets its storage once sharded (materialize.py)
+        model = model.to(env.device)
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync

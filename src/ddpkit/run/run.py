@@ -12,6 +12,7 @@ import atexit
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
 from ddpkit.run.gather import all_gather
 from ddpkit.run.loader import Loader, make_source
+from ddpkit.run.materialize import WeightsPlan
 from ddpkit.run.models import check_same_model, load_weights, save_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
@@ -126,7 +128,12 @@ class Run(RunPosition):
     # --- registration -----------------------------------------------------------------------
 
     def setup(
-        self, model: nn.Module, *optimizers: torch.optim.Optimizer, name: str | None = None
+        self,
+        model: nn.Module,
+        *optimizers: torch.optim.Optimizer,
+        name: str | None = None,
+        weights: str | Path | None = None,
+        init: Callable[[nn.Module], object] | None = None,
     ) -> nn.Module:
         """Place ``model`` on this rank's device and wrap it in the engine; returns the wrapped model.
 
@@ -134,19 +141,23 @@ class Run(RunPosition):
         wrapping. When the run resumes, the model's weights are the checkpoint's. The model is
         checkpointed under ``name`` ("model", then "model2", ...), and ``finish`` writes its
         weights to OUT/NAME.pt. ``optimizers`` (built over its parameters) are tracked as by
-        ``track``.
+        ``track``. A model built on the meta device gets its values here (``weights=`` a file or
+        folder, else each module's ``reset_parameters()`` and ``init(module)``; materialize.py).
         """
         name = self._new_name(name, "model")
+        saved = self.session.saved_state(name)
+        sharded = self.engine_cfg.engine == "fsdp"
+        plan = WeightsPlan(model, self.device, sharded, saved, weights, init)
         check_same_model(model, self.env)
         if self.engine_cfg.invariant_dropout:
             key_dropout(model, self._draws, self.engine_cfg.dropout_batch_dim)
         else:
             note_dropout(model, self.env.is_rank0)
-        if (weights := self.session.saved_state(name)) is not None:
-            load_weights(unwrap(model), weights, name, self.session.resume_path)
+        plan.before_wrap(unwrap(model), lambda m: load_weights(m, saved, name, self.session.resume_path))
         self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
         wrapped = wrap(model, self.env, self.engine_cfg)
-        load_model(self.session.resume_path, name, weights, unwrap(wrapped))  # a sharded checkpoint's
+        plan.after_wrap(unwrap(wrapped))
+        load_model(self.session.resume_path, name, saved, unwrap(wrapped))  # a sharded checkpoint's
         self.models[name], self.objects[name] = wrapped, unwrap(wrapped)
         self.track(*optimizers)
         return wrapped

@@ -46,7 +46,9 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    tensors = [*model.parameters(), *model.buffers()]
+    # A model built on meta has nothing to broadcast: every rank gives it the same values once
+    # sharded (materialize.py), its real buffers being the same already (check_same_model).
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
     if env.world_size > 1:
         broadcast_coalesced(tensors, dist.group.WORLD, 0)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
