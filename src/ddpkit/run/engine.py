@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 import sys
 from collections.abc import Iterable, Iterator
 
@@ -22,16 +21,18 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import DataParallel
 from ddpkit.parallel.compression import parse_powersgd
-from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import broadcast_coalesced, call_module
 from ddpkit.run.config import EngineConfig
-from ddpkit.run.local_engine import LocalEngine, numbered
+from ddpkit.run.draws import SampleDraws
+from ddpkit.run.engine_errors import trainable_error, unused_error, unused_names
+from ddpkit.run.local_engine import LocalEngine
 from ddpkit.run.materialize import has_meta
 from ddpkit.run.precision import autocast_forward
+from ddpkit.run.recompute import checkpoint_modules
 from ddpkit.run.sharded import is_sharded, set_sync, shard
 
 
-def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
+def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig, draws: SampleDraws | None = None) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in the engine; rank 0's weights win.
 
     Raises:
@@ -44,8 +45,15 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
         raise ConfigError(f"{what} needs GPUs (torch refuses it on CPU); leave it off, or use bf16 on CPU")
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameter that requires grad; nothing to train")
-    if not has_meta(model):  # a meta model on fsdp gets its storage once sharded (materialize.py)
+    if cfg.offload and env.device.type != "cuda":
+        raise ConfigError(
+            "offload=True moves a sharded model's state off the GPU; on a CPU it is there already"
+        )
+    # A meta model on fsdp gets its storage once sharded (materialize.py); an offloaded one
+    # stays in host memory, where FSDP2 keeps its shards.
+    if not has_meta(model) and not cfg.offload:
         model = model.to(env.device)
+    checkpoint_modules(model, cfg.checkpoint_modules, draws)
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
@@ -69,12 +77,6 @@ def _native(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> DataParallel:
         forward_sync_buffers=cfg.broadcast_buffers,  # as for torch's: buffers are synced at start either way
         compression=cfg.compression,
     )
-
-
-# torch's DDP raises this at the forward after a backward pass in which some parameters got no
-# gradient, and numbers them (not by name unless TORCH_DISTRIBUTED_DEBUG is set).
-_UNFINISHED = "Expected to have finished reduction in the prior iteration"
-_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
 
 
 class _RunEngine:
@@ -101,10 +103,10 @@ class _RunEngine:
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as exc:
-            names = _unused_names(exc, self)
+            names = unused_names(exc, self)
             if names is None:
                 raise
-            raise _unused_error(names, type(unwrap(self)).__name__) from None
+            raise unused_error(names, type(unwrap(self)).__name__) from None
 
     @torch.compiler.disable
     def _follow_trainable(self) -> bool:
@@ -127,7 +129,7 @@ class _RunEngine:
             return False  # nothing to sync; a backward with nothing trainable is run.backward's line
         model = type(unwrap(self)).__name__
         if not first:
-            raise _trainable_error(self.module, self.ddpkit_trainable, model, self.ddpkit_step)
+            raise trainable_error(self.module, self.ddpkit_trainable, model, self.ddpkit_step)
         self.replan()
         self.ddpkit_trainable = now
         where = "between steps" if self.ddpkit_step is None else f"step {self.ddpkit_step}"
@@ -184,52 +186,6 @@ class _Local(_RunEngine, LocalEngine):
 
     def _get_name(self) -> str:
         return "LocalEngine"
-
-
-def _trainable_error(module: nn.Module, was: tuple[bool, ...], model: str, step: int) -> ConfigError:
-    params = list(module.named_parameters())
-    changed = next(name for (name, p), before in zip(params, was, strict=True) if p.requires_grad != before)
-    what = f"requires_grad of {changed!r} of {model} changed in the middle of step {step}"
-    return ConfigError(
-        f"{what}; freeze or unfreeze between steps (after an epoch, or before the step's first "
-        "forward), so every rank's gradient covers the whole step"
-    )
-
-
-def _unused_names(exc: RuntimeError, model: nn.Module) -> list[str] | None:
-    """The parameters ``exc`` says got no gradient, by name; None if it says something else."""
-    if isinstance(exc, DataParallelError) and hasattr(exc, "missing"):  # the native engine's names
-        return [_plain_name(name) for name in exc.missing]
-    text = str(exc)
-    if _UNFINISHED not in text:
-        return None
-    found = _INDICES.search(text)
-    if found is None:
-        return []
-    names = _torch_param_names(model)
-    return [names[int(i)] for i in found[1].split() if int(i) < len(names)]
-
-
-def _torch_param_names(ddp: DistributedDataParallel) -> list[str]:
-    """The names of the parameters torch's DDP numbers, in its order (``numbered``), less those
-    it was told to ignore."""
-    ignored = getattr(ddp, "parameters_to_ignore", set())
-    return [_plain_name(name) for name, _ in numbered(ddp.module) if name not in ignored]
-
-
-def _plain_name(name: str) -> str:
-    """A parameter's name in the model the user built: without torch.compile's ``_orig_mod.``."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
-def _unused_error(names: list[str], model: str) -> DataParallelError:
-    listed = ", ".join(map(repr, names[:8])) + (" ..." if len(names) > 8 else "")
-    which = f"{len(names)} parameter(s) of {model} ({listed})" if names else f"parameters of {model}"
-    return DataParallelError(
-        f"{which} got no gradient in the last backward pass; pass "
-        "ddpkit.Run(find_unused_parameters=True) if the forward leaves them out, or freeze them "
-        "before run.setup with requires_grad_(False) if they are never trained"
-    )
 
 
 def _torch_hook(name: str) -> tuple:

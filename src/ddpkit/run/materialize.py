@@ -97,19 +97,21 @@ class WeightsPlan:
     Args:
         model: the user's model (some of it on meta, or none).
         device: this rank's device.
-        sharded: the engine shards (fsdp): a meta model gets storage after ``fully_shard``.
+        cfg: the engine's config: on fsdp a meta model gets storage after ``fully_shard`` (in
+            host memory with ``offload``).
         saved: the checkpoint's entry for this model when the run resumes, else None.
         weights: ``run.setup(weights=)``, ignored on a resume (the checkpoint's weights win).
         init: ``run.setup(init=)``.
     """
 
-    def __init__(self, model, device, sharded: bool, saved, weights, init: Init | None) -> None:
+    def __init__(self, model, device, cfg, saved, weights, init: Init | None) -> None:
         from ddpkit.checkpoint.dcp import is_sharded_entry
         from ddpkit.run.weights_source import WeightsSource
 
-        self.device, self.init, self.saved = device, init, saved
+        self.device = torch.device("cpu") if cfg.offload else device
+        self.init, self.saved = init, saved
         self.meta = has_meta(model)
-        self.late = self.meta and sharded  # storage after sharding
+        self.late = self.meta and cfg.engine == "fsdp"  # storage after sharding
         self.in_checkpoint = saved is not None and is_sharded_entry(saved)  # filled by load_model
         if saved is not None:
             self.source = None if self.in_checkpoint else saved

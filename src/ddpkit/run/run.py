@@ -29,12 +29,12 @@ from ddpkit.run.draws import SampleDraws
 from ddpkit.run.dropout import key_dropout, note_dropout
 from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
-from ddpkit.run.gather import all_gather
 from ddpkit.run.loader import Loader, make_source
 from ddpkit.run.materialize import WeightsPlan
 from ddpkit.run.models import check_same_model, load_weights, save_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
+from ddpkit.run.per_sample import PerSample
 from ddpkit.run.position import RunPosition
 from ddpkit.run.registry import DictState, kind_of, new_name
 from ddpkit.run.seeding import seed_everything
@@ -44,7 +44,7 @@ from ddpkit.run.sharded_state import load_model
 log = logging.getLogger(__name__)
 
 
-class Run(RunPosition):
+class Run(RunPosition, PerSample):
     """One training run, seen from one process: process group, engine, data, checkpoints, diagnostics.
 
     Reads what the launcher set (torchrun, ``ddpkit run``, SLURM, ``ddpkit.launch``, or nothing:
@@ -74,13 +74,9 @@ class Run(RunPosition):
 
     Args:
         out, seed, backend, steps: the run's own settings; see ``ddpkit.run.RunConfig``.
-        **options: component settings by name: data (``global_batch``, ``micro_batch``,
-            ``drop_last``, ``shuffle``), engine (``engine``, ``bucket_cap_mb``,
-            ``find_unused_parameters``, ``compression``, ``sync_batchnorm``, ``broadcast_buffers``,
-            ``precision``), checkpoints (``save_every``, ``keep_last``, ``resume``), optimizer
-            step (``grad_clip``, ``on_nonfinite``) and diagnostics (``log_every``,
-            ``check_every``, ``rank_table_every``, ``collective_timeout``, ``progress``, ``trackers``);
-            see the config classes in ``ddpkit.run``.
+        **options: component settings by name (``global_batch``, ``engine``, ``save_every``,
+            ``grad_clip``, ``log_every``, ...): each config class of ``ddpkit.run`` documents its
+            own, and docs/api.md lists them all.
     """
 
     def __init__(
@@ -146,8 +142,7 @@ class Run(RunPosition):
         """
         name = self._new_name(name, "model")
         saved = self.session.saved_state(name)
-        sharded = self.engine_cfg.engine == "fsdp"
-        plan = WeightsPlan(model, self.device, sharded, saved, weights, init)
+        plan = WeightsPlan(model, self.device, self.engine_cfg, saved, weights, init)
         check_same_model(model, self.env)
         if self.engine_cfg.invariant_dropout:
             key_dropout(model, self._draws, self.engine_cfg.dropout_batch_dim)
@@ -155,7 +150,7 @@ class Run(RunPosition):
             note_dropout(model, self.env.is_rank0)
         plan.before_wrap(unwrap(model), lambda m: load_weights(m, saved, name, self.session.resume_path))
         self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
-        wrapped = wrap(model, self.env, self.engine_cfg)
+        wrapped = wrap(model, self.env, self.engine_cfg, self._draws)
         plan.after_wrap(unwrap(wrapped))
         load_model(self.session.resume_path, name, saved, unwrap(wrapped))  # a sharded checkpoint's
         self.models[name], self.objects[name] = wrapped, unwrap(wrapped)
@@ -243,27 +238,6 @@ class Run(RunPosition):
         before the next step, checkpoint or the run's end. A rank without samples in an epoch's last
         batch counts for nothing; any subset of ranks may log; a value is written once."""
         self.cycle.log(metrics, reduce)
-
-    def rand_like(self, x: torch.Tensor) -> torch.Tensor:
-        """``torch.rand_like(x)`` drawn per sample: row i (dim 0) from (seed, step, sample i's place
-        in the global batch), the same on any world size, micro_batch and after a resume."""
-        return self._draws.rand_like(x)
-
-    def randn_like(self, x: torch.Tensor) -> torch.Tensor:
-        """``torch.randn_like(x)`` drawn per sample, as ``rand_like`` (a diffusion step's noise)."""
-        return self._draws.randn_like(x)
-
-    def randint(self, low: int, high: int | None = None, *, like: torch.Tensor) -> torch.Tensor:
-        """One integer in [low, high) (or [0, low)) per sample of ``like`` (dim 0), drawn per sample
-        as ``rand_like``: a diffusion step's timesteps, ``run.randint(T, like=x)``."""
-        low, high = (0, low) if high is None else (low, high)
-        return self._draws.randint(low, high, like)
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` (dim 0: its samples) in global-batch order, differentiable: an
-        in-batch-negatives loss (InfoNCE, CLIP) over the gathered batch is one process's. Exact
-        when each rank's share is one micro-batch; refused in one line under a smaller micro_batch."""
-        return all_gather(x, self.cycle.micro, self.env)
 
     def save(self) -> None:
         """Checkpoint at the end of the current step (now, between epochs). All ranks call it."""

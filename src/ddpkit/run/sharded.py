@@ -44,7 +44,7 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     """
     # Imported here: torch.distributed.fsdp and its DTensor cost every script a second at start-up.
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # A model built on meta has nothing to broadcast: every rank gives it the same values once
     # sharded (materialize.py), its real buffers being the same already (check_same_model).
@@ -58,11 +58,17 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
         reduce_dtype=torch.float32 if bf16 else None,
         output_dtype=torch.float32 if bf16 else None,
     )
+    # offload: parameters, gradients and optimizer state in pinned host memory, copied to the
+    # GPU for each group's forward and backward.
+    offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
     for module in groups(model, cfg.shard_modules):
-        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+        fully_shard(
+            module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+            offload_policy=offload,
+        )  # fmt: skip
     # The root's parameters are needed again as soon as backward starts: torch's advice (and
     # torchtitan's) is to keep them gathered rather than free and gather them again.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     if cfg.broadcast_buffers and any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_broadcast_buffers)
     return model
