@@ -9,9 +9,10 @@ A sharded checkpoint folder::
                      manifest.json  (sha256 of all of them, written last)
 
 Rank 0 makes the hidden temporary folder and broadcasts its name, every rank writes its shards
-into it with DCP (``sync_files``: each file fsynced), and once DCP's own gather says every rank
-has written, rank 0 writes state.pt and the manifest of every file and renames the folder into
-place (``store.commit_save``). A kill at any point leaves a hidden folder that is never loaded.
+into it with DCP (``sync_files``: each file fsynced) and hashes its own files, and once DCP's own
+gather says every rank has written, rank 0 gathers the hashes, writes state.pt (hashed as it is
+written) and the manifest of every file and renames the folder into place
+(``store.commit_save``). A kill at any point leaves a hidden folder that is never loaded.
 DCP reshards on load, so the checkpoint resumes on any number of processes. The folder must be
 one every rank can read and write (a shared filesystem across machines), as DCP requires.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.checkpoint.manifest import STATE
+from ddpkit.checkpoint.manifest import STATE, file_entry
 from ddpkit.checkpoint.store import CheckpointError, begin_save, commit_save
 
 # What state.pt holds in place of a part whose tensors are in the DCP files.
@@ -63,11 +64,17 @@ def save_sharded(
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # Each rank hashes the files it wrote (DCP names them __RANK_N.distcp), all ranks at once,
+    # and rank 0 gathers the entries: the checkpoint is hashed in S/N a rank, not S on rank 0.
+    mine = {p.name: file_entry(p) for p in tmp.glob(f"__{dist.get_rank()}_*.distcp")}
+    everyone: list[dict] | None = [{}] * dist.get_world_size() if rank0 else None
+    dist.gather_object(mine, everyone, dst=0)
     if not rank0:
         return None
     # dcp.save returns on rank 0 after its gather of every rank's write results: all files are in.
     files = tuple(sorted(p.name for p in tmp.iterdir() if p.name != STATE))
-    return commit_save(final, tmp, step, state, keep_last, files)
+    known = {name: entry for entries in everyone for name, entry in entries.items()}
+    return commit_save(final, tmp, step, state, keep_last, files, known)
 
 
 def load_sharded(path: str | Path, shards: dict[str, Any]) -> None:

@@ -30,6 +30,29 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+class HashingWriter:
+    """A binary file that hashes what is written through it: a written file's sha256 and size
+    without reading it back (``torch.save`` writes a state file through one)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, block: bytes) -> int:
+        self.digest.update(block)
+        self.size += len(block)
+        return self.f.write(block)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def entry(self) -> dict:
+        """The manifest's entry for the file written."""
+        return {"sha256": self.digest.hexdigest(), "bytes": self.size}
+
+    def __getattr__(self, name: str):  # tell(), fileno(), ...: the file's own
+        return getattr(self.f, name)
+
+
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (new, renamed or removed names) to disk.
 

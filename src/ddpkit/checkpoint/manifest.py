@@ -32,12 +32,12 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def write_manifest(directory: Path, step: int, names: list[str]) -> dict:
-    """Hash the files ``names`` in ``directory`` and write (and fsync) the manifest describing them."""
-    files = {
-        name: {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
-        for name in names
-    }
+def write_manifest(directory: Path, step: int, names: list[str], known: dict | None = None) -> dict:
+    """Write (and fsync) the manifest of the files ``names`` in ``directory``: the entries in
+    ``known`` (name -> sha256 and size, hashed by whoever wrote the file, as it was written), and
+    for any other file its hash read now."""
+    known = known or {}
+    files = {name: known.get(name) or file_entry(directory / name) for name in names}
     manifest = {
         "format": FORMAT,
         "step": step,
@@ -50,6 +50,11 @@ def write_manifest(directory: Path, step: int, names: list[str]) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return manifest
+
+
+def file_entry(path: Path) -> dict:
+    """A file's manifest entry, read from disk: its sha256 and size."""
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
 def read_manifest(directory: Path) -> dict:
@@ -107,6 +112,32 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     return [p for p in found.values() if p] + manifest_problems(path, manifest)
 
 
+def quick_problems(path: Path) -> list[str]:
+    """What is visibly wrong with a checkpoint without reading its files' contents: its manifest,
+    and each listed file's presence and size. Choosing a checkpoint reads this much; the hashes
+    are checked by the ranks that read the files (``verify_share``)."""
+    try:
+        manifest = read_manifest(path)
+    except FileNotFoundError:
+        return [f"missing {MANIFEST}"]
+    except ValueError as exc:
+        return [f"unreadable {MANIFEST} ({exc})"]
+    sizes = [_check_size(path / name, entry) for name, entry in manifest["files"].items()]
+    return [p for p in sizes if p] + manifest_problems(path, manifest)
+
+
+def verify_share(path: Path, rank: int, world_size: int) -> list[str]:
+    """The problems of this rank's share of a checkpoint's files: every ``world_size``-th file of
+    the manifest from ``rank`` on, so that the ranks together hash each file once, in parallel."""
+    try:
+        manifest = read_manifest(path)
+    except (FileNotFoundError, ValueError) as exc:
+        return [f"unreadable {MANIFEST} ({exc})"]
+    names = sorted(manifest["files"])[rank::world_size]
+    found = (_check_file(path / name, manifest["files"][name]) for name in names)
+    return [p for p in found if p]
+
+
 def manifest_problems(path: Path, manifest: dict) -> list[str]:
     """What is wrong with a readable manifest itself: no state file listed, or another step's."""
     problems = [] if STATE in manifest["files"] else [f"{MANIFEST} does not list {STATE}"]
@@ -126,7 +157,7 @@ def verify_files(path: Path, manifest: dict) -> dict[str, str | None]:
     return {name: _check_file(path / name, entry) for name, entry in manifest["files"].items()}
 
 
-def _check_file(path: Path, entry: dict) -> str | None:
+def _check_size(path: Path, entry: dict) -> str | None:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -134,6 +165,12 @@ def _check_file(path: Path, entry: dict) -> str | None:
     if size != entry["bytes"]:
         # A size mismatch (a truncated copy, typically) settles it without reading the file.
         return f"size mismatch in {path.name} ({size} bytes, manifest says {entry['bytes']})"
+    return None
+
+
+def _check_file(path: Path, entry: dict) -> str | None:
+    if (problem := _check_size(path, entry)) is not None:
+        return problem
     try:
         digest = sha256_file(path)
     except OSError as exc:

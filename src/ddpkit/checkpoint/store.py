@@ -25,9 +25,15 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.checkpoint.files import exchange, fsync_dir, raise_if_disk_full, state_bytes
+from ddpkit.checkpoint.files import HashingWriter, exchange, fsync_dir, raise_if_disk_full, state_bytes
 from ddpkit.checkpoint.loadable import weights_only_problem, weights_only_reason
-from ddpkit.checkpoint.manifest import STATE, checkpoint_name, step_of, verify_checkpoint, write_manifest
+from ddpkit.checkpoint.manifest import (
+    STATE,
+    checkpoint_name,
+    step_of,
+    verify_checkpoint,
+    write_manifest,
+)
 from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,11 +81,20 @@ def begin_save(directory: str | Path, step: int, state: dict, keep_last: int) ->
     return final, tmp
 
 
-def commit_save(final: Path, tmp: Path, step: int, state: dict, keep_last: int, files: tuple = ()) -> Path:
-    """Write ``state`` into ``tmp`` with a manifest of it and of ``files`` (already there), rename
-    ``tmp`` to ``final`` and prune to ``keep_last``. On any error ``tmp`` is removed."""
+def commit_save(
+    final: Path,
+    tmp: Path,
+    step: int,
+    state: dict,
+    keep_last: int,
+    files: tuple = (),
+    known: dict | None = None,
+) -> Path:
+    """Write ``state`` into ``tmp`` with a manifest of it and of ``files`` (already there; their
+    entries in ``known`` where their writers hashed them), rename ``tmp`` to ``final`` and prune
+    to ``keep_last``. On any error ``tmp`` is removed."""
     try:
-        _write(tmp, step, state, files)
+        _write(tmp, step, state, files, known or {})
         old = _commit(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -107,13 +122,14 @@ def _temp_path(final: Path, kind: str = "") -> Path:
     return final.with_name(f".{final.name}.{secrets.token_hex(4)}{kind}.tmp")
 
 
-def _write(tmp: Path, step: int, state: dict, files: tuple = ()) -> None:
+def _write(tmp: Path, step: int, state: dict, files: tuple, known: dict) -> None:
     with open(tmp / STATE, "wb") as f:
-        torch.save(state, f)
+        hashed = HashingWriter(f)  # the state's sha256 as it is written: no second pass over it
+        torch.save(state, hashed)
         f.flush()
         os.fsync(f.fileno())
     _check_loadable(tmp / STATE, step)
-    write_manifest(tmp, step, [STATE, *files])
+    write_manifest(tmp, step, [STATE, *files], known | {STATE: hashed.entry()})
     fsync_dir(tmp)
 
 
@@ -194,18 +210,19 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:
     """Verify a checkpoint against its manifest, then load its state.
 
     Args:
         path: a checkpoint directory such as ``OUT/checkpoints/step-00000100``.
         map_location: where tensors land; pass this rank's device so no rank allocates on GPU 0.
+        verify: hash every file first; False when the ranks have verified it together already.
 
     Raises:
         CheckpointError: the checkpoint is missing, incomplete, corrupt, or not weights_only-loadable.
     """
     path = Path(path)
-    problems = verify_checkpoint(path)
+    problems = verify_checkpoint(path) if verify else []
     if problems:
         raise CheckpointError(
             f"checkpoint {path} is corrupt ({'; '.join(problems)}); resume from another one "
@@ -218,83 +235,3 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"checkpoint {path} holds objects torch.load(weights_only=True) refuses "
             f"({weights_only_reason(exc)}); it was not written by save_checkpoint, so rewrite it with that"
         ) from exc
-
-
-def newest_good(directory: str | Path) -> Path | None:
-    """The newest checkpoint in ``directory`` that verifies, warning about each newer bad one.
-
-    Args:
-        directory: a run's checkpoint directory.
-
-    Returns:
-        The checkpoint directory, or None when ``directory`` holds no checkpoints.
-
-    Raises:
-        CheckpointError: there are checkpoints, but none verifies.
-    """
-    bad: list[tuple[Path, list[str]]] = []
-    for path in reversed(list_checkpoints(directory)):
-        problems = verify_checkpoint(path)
-        if not problems and (refused := weights_only_problem(path / STATE)) is not None:
-            problems = [refused]  # the manifest matches, but the pickle is not one a resume may load
-        if not problems:
-            for bad_path, bad_problems in bad:
-                log.warning(
-                    "checkpoint %s is corrupt (%s); falling back to %s",
-                    bad_path,
-                    "; ".join(bad_problems),
-                    path,
-                )
-            return path
-        bad.append((path, problems))
-    if not bad:
-        return None
-    found = ", ".join(f"{p.name} ({'; '.join(problems)})" for p, problems in bad)
-    raise CheckpointError(
-        f"no good checkpoint in {directory}: {found}; restore a copy of one, or start over (--resume never)"
-    )
-
-
-def load_latest(directory: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict] | None:
-    """Load the newest good checkpoint in ``directory``; corrupt newer ones are skipped with a warning.
-
-    Args:
-        directory: a run's checkpoint directory.
-        map_location: where tensors land (this rank's device).
-
-    Returns:
-        ``(checkpoint directory, state)``, or None when ``directory`` holds no checkpoints.
-
-    Raises:
-        CheckpointError: there are checkpoints, but none is good.
-    """
-    path = newest_good(directory)
-    return None if path is None else (path, load_checkpoint(path, map_location))
-
-
-def resolve_resume(directory: str | Path, resume: str) -> Path | None:
-    """The checkpoint the ``--resume`` flag names: ``auto``, ``never`` or a checkpoint directory.
-
-    Args:
-        directory: the run's checkpoint directory, searched by ``auto``.
-        resume: ``auto`` (newest good checkpoint, None when there is none), ``never`` (None),
-            or the path of a checkpoint directory, which must exist and verify.
-
-    Raises:
-        ConfigError: ``resume`` is a path that does not exist or is not a good checkpoint.
-        CheckpointError: ``auto`` found checkpoints, but none is good.
-    """
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return newest_good(directory)
-    path = Path(resume)
-    if not path.exists():
-        raise ConfigError(f"--resume {resume!r} does not exist; pass a checkpoint directory, auto or never")
-    problems = verify_checkpoint(path)
-    if problems:
-        inside = list_checkpoints(path)
-        hint = f"it holds checkpoints, such as {inside[-1]}, so pass one of them" if inside else ""
-        hint = hint or "pass another checkpoint directory, auto or never"
-        raise ConfigError(f"--resume {resume!r} is not a good checkpoint ({'; '.join(problems)}); {hint}")
-    return path

@@ -32,6 +32,7 @@ from ddpkit.checkpoint import (
 )
 from ddpkit.checkpoint.dcp import SHARDED, save_sharded
 from ddpkit.checkpoint.lock import OutLock
+from ddpkit.checkpoint.manifest import verify_share
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
@@ -45,33 +46,57 @@ log = logging.getLogger(__name__)
 def resume_point(out: Path | None, cfg: CheckpointConfig, env: DistEnv, lock: OutLock | None) -> str | None:
     """The one decision of whether, and from where, this run continues. Collective.
 
-    Rank 0 takes the folder's lock (one run per folder), chooses (so every rank loads the same
-    checkpoint even if a newer one appears while they look) and broadcasts the path, or the
-    error that stops the run, so every rank raises it instead of waiting for rank 0. A worker
-    restarted by the elastic agent always takes the newest good checkpoint: its run wrote it.
+    Rank 0 takes the folder's lock (one run per folder), chooses from manifests and sizes (so
+    every rank loads the same checkpoint even if a newer one appears while they look) and
+    broadcasts the path, or the error that stops the run, so every rank raises it instead of
+    waiting for rank 0. Then every rank hashes its share of the chosen checkpoint's files (each
+    file once, by one rank) and they agree in one gather: a bad file anywhere sends every rank
+    back to the previous checkpoint together. A worker restarted by the elastic agent always
+    takes the newest good checkpoint: its run wrote it.
     """
-    choice: list = [None, None]
-    if env.is_rank0:
-        try:
-            if lock is not None:
-                lock.acquire()
-            choice = [_choose(out, cfg, env), None]
-        except (ConfigError, CheckpointError) as exc:
-            choice = [None, str(exc)]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[1] is not None:
-        raise ConfigError(choice[1])
-    return choice[0]
+    bad: set[Path] = set()
+    while True:
+        choice: list = [None, None]
+        if env.is_rank0:
+            try:
+                if lock is not None and not bad:
+                    lock.acquire()
+                choice = [_choose(out, cfg, env, frozenset(bad)), None]
+            except (ConfigError, CheckpointError) as exc:
+                choice = [None, str(exc)]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise ConfigError(choice[1])
+        if choice[0] is None:
+            return None
+        path = Path(choice[0])
+        everyone: list = [None] * env.world_size
+        dist.all_gather_object(everyone, verify_share(path, env.rank, env.world_size))
+        problems = [problem for found in everyone for problem in found]
+        if not problems:
+            return str(path)
+        if _explicit(out, cfg, env):
+            raise ConfigError(f"--resume {str(path)!r} is not a good checkpoint ({'; '.join(problems)})")
+        if env.is_rank0:
+            log.warning(
+                "checkpoint %s is corrupt (%s); falling back to the previous one", path, "; ".join(problems)
+            )
+        bad.add(path)
 
 
-def _choose(out: Path | None, cfg: CheckpointConfig, env: DistEnv) -> str | None:
+def _explicit(out: Path | None, cfg: CheckpointConfig, env: DistEnv) -> bool:
+    """True when the run resumes from the path it was given, which has no previous one to fall to."""
+    return cfg.resume not in ("auto", "never") and (out is None or env.restart_count == 0)
+
+
+def _choose(out: Path | None, cfg: CheckpointConfig, env: DistEnv, bad: frozenset) -> str | None:
     if out is None:
         if cfg.resume not in ("auto", "never"):
-            return str(resolve_resume(Path("."), cfg.resume))
+            return str(resolve_resume(Path("."), cfg.resume, verify=False))
         return None
     resume = "auto" if env.restart_count > 0 else cfg.resume
-    found = resolve_resume(out / "checkpoints", resume)
-    if found is None and env.restart_count == 0:
+    found = resolve_resume(out / "checkpoints", resume, verify=False, skip=bad)
+    if found is None and env.restart_count == 0 and not bad:
         _refuse_to_overwrite(out, cfg)
     return str(found) if found else None
 
@@ -91,8 +116,8 @@ def _refuse_to_overwrite(out: Path, cfg: CheckpointConfig) -> None:
 
 
 def load(path: str, device: torch.device) -> dict:
-    """Load and verify a checkpoint written by ``save``, onto this rank's device."""
-    state = load_checkpoint(path, map_location=device)
+    """Load a checkpoint written by ``save`` (verified by ``resume_point``), onto this rank's device."""
+    state = load_checkpoint(path, map_location=device, verify=False)  # the ranks verified it together
     if not isinstance(state, dict) or "state" not in state or "rng" not in state:
         raise ConfigError(
             f"{path} is not a ddpkit.Run checkpoint (it lacks 'state' and 'rng'); "

@@ -1,0 +1,32 @@
+"""A sharded run (fsdp, 2 processes) that checkpoints every 2 steps, and its rerun: what
+tests/checkpoint/test_checkpoint_shared_verify.py launches."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+
+def train(out: str, steps: int) -> int:
+    """Train to ``steps`` (resuming when OUT has checkpoints); the step the loop's first batch
+    opened, which tells which checkpoint the run resumed from."""
+    run = ddpkit.Run(
+        out=out, global_batch=8, engine="fsdp", save_every=2, keep_last=3, steps=steps, progress=False
+    )
+    torch.manual_seed(0)
+    model = run.setup(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    data = TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(1)), torch.randn(64, 1))
+    first = None
+    for x, y in run.loader(data):
+        first = run.step if first is None else first
+        optimizer.zero_grad()
+        run.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+    run.finish()
+    return first

@@ -1,0 +1,48 @@
+"""Checkpoints verified where their bytes are: each rank hashes its share of the files at resume
+(every file once, by one rank) and a bad file anywhere sends every rank back to the previous
+checkpoint together; writers hash what they write (tests/checkpoint/shared_verify_cases.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import ddpkit
+from ddpkit.checkpoint import list_checkpoints, save_checkpoint, verify_checkpoint
+from ddpkit.checkpoint.manifest import file_entry, read_manifest, verify_share
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_verify_cases import train  # noqa: E402
+
+
+def test_the_ranks_shares_cover_every_file_once(tmp_path):
+    import torch
+
+    path = save_checkpoint(tmp_path, 1, {"a": torch.ones(3)})
+    manifest = read_manifest(path)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):  # as a sharded checkpoint lists them
+        (path / name).write_bytes(name.encode())
+        manifest["files"][name] = {"sha256": file_entry(path / name)["sha256"], "bytes": len(name)}
+    (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    (path / "__1_0.distcp").write_bytes(b"__1_0.distcX")  # the same size, another hash
+    shares = [verify_share(path, rank, 3) for rank in range(3)]
+    # Sorted (.metadata, __0_0, __1_0, state.pt), every 3rd from the rank: rank 2 holds __1_0.
+    assert [len(found) for found in shares] == [0, 0, 1]
+    assert shares[2] == ["sha256 mismatch in __1_0.distcp"]
+    assert verify_checkpoint(path) == shares[2]  # the same finding as one rank hashing everything
+
+
+@pytest.mark.slow
+def test_a_shard_corrupted_on_disk_sends_every_rank_back_to_the_previous_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    assert ddpkit.launch(train, 2, (out, 6)) == [1, 1]
+    newest = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    assert newest.name == "step-00000006" and verify_checkpoint(newest) == []  # the writers' hashes hold
+    shard = newest / "__0_0.distcp"  # in rank 1's share of the files at resume
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one bit flipped, the size the same: only a hash sees it
+    shard.write_bytes(bytes(data))
+    assert ddpkit.launch(train, 2, (out, 8)) == [5, 5]  # resumed from step 4 on both ranks
