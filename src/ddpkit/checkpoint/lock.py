@@ -32,8 +32,14 @@ class OutLock:
 
     def acquire(self) -> OutLock:
         """Take the lock, or raise ConfigError naming the process that holds it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a file in the way, a parent that cannot be made, no permission
+            raise ConfigError(
+                f"out={str(self.path.parent)!r} cannot be the run's folder ({exc.strerror}: "
+                f"{exc.filename}); choose a folder path you can write to"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

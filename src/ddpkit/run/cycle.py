@@ -198,6 +198,11 @@ class StepCycle:
         micro = self.micro if self.open else None
         weight = float(micro.samples) if micro is not None else 1.0
         for name, value in metrics.items():
+            if not isinstance(value, int | float | torch.Tensor) or isinstance(value, bool):
+                raise ConfigError(
+                    f"run.log({name}={value!r}): a metric is a number or a one-element tensor; log "
+                    "text with run.print"
+                )
             self.monitor.add_user(name, value, weight, reduce, self.step if micro is not None else -1)
 
     def left(self, micro: Micro, source: Any) -> None:

@@ -110,7 +110,14 @@ def _held_out(indices: range) -> EpochIndices:
 def _sums(batch: Any, fn: Callable, device: torch.device, size: int) -> dict[str, float]:
     """``fn``'s means on one batch, times its size, in float64."""
     out = fn(to_device(batch, device))
-    return {
-        name: float(value.detach().double() * size)
-        for name, value in (out if isinstance(out, dict) else {"value": out}).items()
-    }
+    sums = {}
+    for name, value in (out if isinstance(out, dict) else {"value": out}).items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = torch.tensor(float(value))  # loss.item(): a mean over the batch all the same
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ConfigError(
+                f"run.evaluate: fn returned {name}={value!r}; return the batch's mean as a number or a "
+                "one-element tensor (or a dict of them)"
+            )
+        sums[name] = float(value.detach().double() * size)
+    return sums

@@ -140,6 +140,8 @@ class Run(RunPosition, PerSample):
         ``track``. A model built on the meta device gets its values here (``weights=`` a file or
         folder, else each module's ``reset_parameters()`` and ``init(module)``; materialize.py).
         """
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"run.setup takes an nn.Module, got {type(model).__name__}: {model!r:.60}")
         name = self._new_name(name, "model")
         saved = self.session.saved_state(name)
         plan = WeightsPlan(model, self.device, self.engine_cfg, saved, weights, init)
