@@ -36,6 +36,7 @@ from ddpkit.checkpoint.manifest import verify_share
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
+from ddpkit.run import notices
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.engine import unwrap
 from ddpkit.run.sharded_state import restore_parts, sharded_parts
@@ -162,6 +163,9 @@ def restore(objects: dict[str, Any], saved: dict, rank: int, sharded: set[str] =
         for param_name, param in objects[name].named_parameters():
             param.requires_grad_(param_name not in frozen)
     last = [n for n, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)]
+    changes = notices.compare_settings(objects, saved.get("settings", {}))
+    if changes and rank == 0:
+        notices.resumed_with_other_settings(changes)
     for name in [n for n in objects if n not in last] + last:
         if name not in sharded:
             objects[name].load_state_dict(saved["state"][name])
@@ -229,6 +233,7 @@ def save(
             if isinstance(obj, nn.Module)
         },  # fmt: skip
         "finished": finished,
+        "settings": notices.settings(objects),  # hyper-parameters as the script set them
     }
     if shards:
         return save_sharded(directory, step, state, shards, True, cfg.keep_last)

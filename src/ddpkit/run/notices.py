@@ -7,6 +7,9 @@ is said once per run.
 from __future__ import annotations
 
 import logging
+import weakref
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -31,4 +34,62 @@ def stale_weights(step: int) -> None:
         "discriminator it just stepped); train the models on alternate steps (examples/gan.py) "
         "or leave micro_batch unset",
         step,
+    )
+
+
+_NOT_SETTINGS = {"params", "param_names", "last_epoch", "initial_lr", "lr"}
+# The hyper-parameters each tracked optimizer and scheduler had when the script tracked it, by
+# object (no attribute on the user's): a checkpoint keeps them, and a resumed run compares them
+# with what the script sets now. Values set later (an lr set by hand each step) do not count.
+_AT_TRACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember_settings(obj: object) -> None:
+    """``run.track``: the hyper-parameters of an optimizer or LR scheduler as the script set them."""
+    if isinstance(obj, torch.optim.Optimizer):
+        _AT_TRACK[obj] = [{k: v for k, v in group.items() if k != "params"} for group in obj.param_groups]
+    elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        plain = (int, float, tuple, list, str)
+        _AT_TRACK[obj] = {
+            k: v for k, v in vars(obj).items()
+            if not k.startswith("_") and k not in ("last_epoch", "base_lrs") and isinstance(v, plain)
+        }  # fmt: skip
+
+
+def settings(objects: dict) -> dict:
+    """What a checkpoint keeps: each tracked object's hyper-parameters as the script set them."""
+    return {name: _AT_TRACK[obj] for name, obj in objects.items() if obj in _AT_TRACK}
+
+
+def compare_settings(objects: dict, saved: dict) -> list[str]:
+    """Each hyper-parameter the script sets otherwise than the run that wrote the checkpoint
+    (``"optimizer: lr (group 0): 0.05 here, 0.1 saved"``); the resumed run keeps the saved ones."""
+    found = []
+    for name, theirs in saved.items():
+        obj = objects.get(name)
+        if obj is None or obj not in _AT_TRACK:
+            continue
+        mine = _AT_TRACK[obj]
+        pairs = zip(mine, theirs, strict=False) if isinstance(mine, list) else [(mine, theirs)]
+        for i, (a, b) in enumerate(pairs):
+            where = f" (group {i})" if isinstance(mine, list) and len(mine) > 1 else ""
+            found += [
+                f"{name}: {k}{where} {_show(a[k])} here, {_show(b[k])} saved"
+                for k in sorted(a.keys() & b.keys())
+                if k not in _NOT_SETTINGS - {"lr"} and a[k] != b[k]
+            ]
+        _AT_TRACK[obj] = theirs  # the run trains on with the checkpoint's, and saves those again
+    return found
+
+
+def _show(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else repr(value)
+
+
+def resumed_with_other_settings(changes: list[str]) -> None:
+    """One line: the script sets hyper-parameters the checkpoint holds otherwise."""
+    log.warning(
+        "the script sets %s; the run trains on with the checkpoint's values, for an exact resume "
+        "(to change one mid-run on purpose, set it after the first batch: docs/porting.md)",
+        "; ".join(changes),
     )

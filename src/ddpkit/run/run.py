@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.errors import ConfigError
 from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.logs import setup_logging
+from ddpkit.run import notices
 from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.cycle import StepCycle
 from ddpkit.run.draws import SampleDraws
@@ -176,6 +177,7 @@ class Run(RunPosition, PerSample):
                 )
             self._new_name(name, name)
             self.gate.track(obj)
+            notices.remember_settings(obj)
             self.objects[name] = obj
 
     def loader(self, data: Dataset | DataLoader, **dataloader_kwargs: Any) -> Loader:
