@@ -44,8 +44,7 @@ def test_an_edited_lr_and_gamma_are_named_and_the_checkpoints_kept(tmp_path, cap
     said = _said(capfd)
     assert len(said) == 1, said
     assert (
-        "optimizer: lr 0.05 here, 0.1 saved" in said[0]
-        and "scheduler: gamma 0.25 here, 0.5 saved" in said[0]
+        "optimizer: lr 0.05 here, 0.1 saved" in said[0] and "scheduler: gamma 0.25 here, 0.5 saved" in said[0]
     )
     _train(tmp_path / "run", steps=6, lr=0.1)  # as the checkpoint: nothing to say
     assert _said(capfd) == []

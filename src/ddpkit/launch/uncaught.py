@@ -33,6 +33,7 @@ from ddpkit.dist import read_launcher_vars
 from ddpkit.dist.init import job_store
 from ddpkit.errors import USER_ERROR, ConfigError
 from ddpkit.launch.failures import is_peer_failure
+from ddpkit.launch.no_gpu import no_gpu_line
 
 MARK = "ddpkit/config-error/"  # + rank: that rank raised a ConfigError (the value: its message)
 ANY_MARK = "ddpkit/config-errors"  # how many ranks did
@@ -65,6 +66,8 @@ def report(kind: type[BaseException], exc: BaseException, tb, previous) -> None:
         return previous(kind, exc, tb)
     if issubclass(kind, ConfigError):
         _config_error(exc)
+    if (line := no_gpu_line(exc, tb)) is not None:
+        _config_error(ConfigError(line))
     if is_peer_failure(exc) and _peer_marked():
         raise SystemExit(1)  # a peer's ConfigError ended this collective; its line says why
     return previous(kind, exc, tb)

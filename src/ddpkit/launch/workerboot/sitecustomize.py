@@ -166,6 +166,9 @@ def _record_uncaught(previous, run_dir: str, rank: str):
         marker = os.path.join(run_dir, f"{CONFIG_ERROR}{rank}")
         if _is_config_error(exc_type) and _write_whole(marker, str(exc)):
             raise SystemExit(2)  # from an excepthook: Python runs atexit, then exits with 2
+        no_gpu = _no_gpu_line(exc, tb)
+        if no_gpu is not None and _write_whole(marker, no_gpu):
+            raise SystemExit(2)  # a script asking for CUDA where there is none: one line too
         if _after_peer_config_error(exc, run_dir, rank):
             raise SystemExit(1)
         previous(exc_type, exc, tb)
@@ -174,6 +177,14 @@ def _record_uncaught(previous, run_dir: str, rank: str):
 
 
 CONFIG_ERROR = "config-error-"  # + rank: the message of that rank's ConfigError (failures.py reads it)
+
+
+def _no_gpu_line(exc, tb) -> str | None:
+    try:  # imported only now: torch, which raised, is loaded; ddpkit may not be
+        from ddpkit.launch.no_gpu import no_gpu_line
+    except ImportError:
+        return None
+    return no_gpu_line(exc, tb)
 
 
 def _is_config_error(exc_type) -> bool:
