@@ -67,6 +67,7 @@ class StepCycle:
         self.session, self.env, self.monitor, self.gate = session, session.env, monitor, gate
         self.objects, self.models, self.out, self.ckpt_cfg, self.steps = objects, models, out, ckpt_cfg, steps
         self.step = self.saved_step = session.saved["step"] if session.saved is not None else 0
+        self.saves: tuple[int, Any] = (0, None)  # checkpoints this process wrote, and the last
         self.epoch = 0  # the epoch of the last step begun
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
@@ -320,8 +321,9 @@ class StepCycle:
         path = checkpoints.save(
             self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg, finished
         )
-        if path is not None:
-            log.info("saved %s", path)
+        if path is not None:  # quiet: one line at the run's end says how many and the last
+            log.debug("saved %s", path)
+            self.saves = (self.saves[0] + 1, path)
 
     # --- the end -------------------------------------------------------------------------------
 
@@ -330,6 +332,8 @@ class StepCycle:
         if self.started:
             self.finish(last=True)
         self.restore()  # a resumed run that had nothing left to do still checks what it resumed
+        if self.saves[0]:
+            log.info("%d checkpoint(s) written, the last %s", *self.saves)
 
     def close(self, plot: bool = False) -> None:
         """Stop the diagnostics and leave the process group without another collective."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # By default, log lines and replica checks come every so many steps: the first of these choices
 # that lasts the interval by the measured step time.
 LOG_EVERY, LOG_INTERVAL_S = (10, 20, 50, 100, 200, 500, 1000), 0.1  # about tqdm's redraw
+STRAGGLER_WINDOWS, STRAGGLER_EVERY_S = 3, 300.0
 CHECK_EVERY, CHECK_INTERVAL_S = (100, 200, 500, 1000, 2000, 5000, 10000), 1.0
 
 
@@ -83,6 +85,8 @@ class Monitor:
         self.check_every = CHECK_EVERY[0] if cfg.check_every is None else cfg.check_every
         # The last log step's gather, still in flight.
         self.gather = LogGather(env, cfg.flops_per_sample, device_peak(env.device, cfg.peak_flops))
+        self.slow_streak: dict[int, int] = {}  # rank -> log windows in a row it was a straggler in
+        self.warned: dict[int, float] = {}  # rank -> when it was last called one
 
     def _truncate_samples(self, step: int) -> None:
         # A resumed run (maybe at another world size) redoes the steps after its checkpoint:
@@ -248,13 +252,22 @@ class Monitor:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", **speed, refresh=False)
         if self.cfg.rank_table_every and step % self.cfg.rank_table_every == 0:
             log.info("%s", rank_table(step, record["ranks"]))
-        for rank, factor in stragglers(record["ranks"]):
-            log.warning(
-                "step %d: rank %d is a straggler: data + compute took %.1fx the other ranks' median",
-                step,
-                rank,
-                factor,
-            )
+        slow = dict(stragglers(record["ranks"]))
+        self.slow_streak = {rank: self.slow_streak.get(rank, 0) + 1 for rank in slow}
+        for rank, factor in slow.items():
+            # Slow in STRAGGLER_WINDOWS log windows in a row, said at most every STRAGGLER_EVERY_S
+            # per rank: one slow window is a shared machine's noise; ddpkit report keeps them all.
+            now = time.monotonic()
+            if (
+                self.slow_streak[rank] >= STRAGGLER_WINDOWS
+                and now - self.warned.get(rank, -1e9) >= STRAGGLER_EVERY_S
+            ):
+                self.warned[rank] = now
+                log.warning(
+                    "step %d: rank %d is a straggler: data + compute took %.1fx the other ranks' median "
+                    "for %d log windows in a row",
+                    step, rank, factor, self.slow_streak[rank],
+                )  # fmt: skip
 
     def close(self, plot: bool) -> None:
         """Stop the watchdog and the bar; on rank 0 draw OUT/loss.png from the whole metrics file.
