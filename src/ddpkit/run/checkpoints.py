@@ -42,6 +42,7 @@ from ddpkit.run.engine import unwrap
 from ddpkit.run.sharded_state import restore_parts, sharded_parts
 
 log = logging.getLogger(__name__)
+OPTIONAL = "ddpkit_best"  # run.save_best's part (run/best.py), which checkpoints before it lack
 
 
 def resume_point(out: Path | None, cfg: CheckpointConfig, env: DistEnv, lock: OutLock | None) -> str | None:
@@ -130,7 +131,7 @@ def load(path: str, device: torch.device) -> dict:
 def check_names(path: str, saved: dict, registered: list[str]) -> None:
     """Refuse a checkpoint whose parts do not match what this run registered, in either direction."""
     missing = [name for name in saved if name not in registered]
-    extra = [name for name in registered if name not in saved]
+    extra = [name for name in registered if name not in saved and name != OPTIONAL]
     if missing or extra:
         parts = []
         if missing:
@@ -167,7 +168,7 @@ def restore(objects: dict[str, Any], saved: dict, rank: int, sharded: set[str] =
     if changes and rank == 0:
         notices.resumed_with_other_settings(changes)
     for name in [n for n in objects if n not in last] + last:
-        if name not in sharded:
+        if name not in sharded and name in saved["state"]:  # OPTIONAL: not in older checkpoints
             objects[name].load_state_dict(saved["state"][name])
     rng = saved["rng"]
     # Same world size: each rank continues its own random streams; otherwise ranks map modulo.

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.errors import ConfigError
 from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.logs import setup_logging
-from ddpkit.run import notices
+from ddpkit.run import best, notices
+from ddpkit.run.best import BestKeeper
 from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.cycle import StepCycle
 from ddpkit.run.draws import SampleDraws
@@ -66,12 +67,9 @@ class Run(RunPosition, PerSample):
         run.finish()                                  # final log and checkpoint, OUT/model.pt
 
     One step is one global batch whatever the world size: each rank takes its slice, splits it
-    into micro-batches, and ``run.backward`` scales each micro-batch's mean loss so that the
-    averaged gradient is the gradient of the mean over the global batch (the last, partial batch
-    of an epoch included). The micro-batches before a step's last run without communication.
-    What cannot be invariant: BatchNorm's batch statistics are computed per micro-batch on each
-    rank, so a model with BatchNorm sees other statistics when the world size or micro-batch
-    changes; the running statistics are rank 0's (broadcast before each forward).
+    into micro-batches, and ``run.backward`` scales each micro-batch's loss so that the averaged
+    gradient is that of the mean over the global batch (docs/guarantees.md says what holds and
+    what cannot, BatchNorm's batch statistics among them).
 
     Args:
         out, seed, backend, steps: the run's own settings; see ``ddpkit.run.RunConfig``.
@@ -103,6 +101,7 @@ class Run(RunPosition, PerSample):
         self.models: dict[str, nn.Module] = {}  # name -> the wrapped model the user calls
         self.objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
         self.train_loader: Loader | None = None
+        self._best = self.objects[best.NAME] = BestKeeper()  # run.save_best's value, checkpointed
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
         if self.scaler.is_enabled():  # its scale and growth tracker resume with the run
             self.objects["grad_scaler"] = self.scaler
@@ -247,11 +246,18 @@ class Run(RunPosition, PerSample):
         """Checkpoint at the end of the current step (now, between epochs). All ranks call it."""
         self.cycle.request_save()
 
+    def save_best(self, value: float | torch.Tensor, mode: str = "min") -> bool:
+        """Write every model's weights to ``OUT/best.pt`` when ``value`` (a validation loss, or with
+        ``mode="max"`` an accuracy) beats the best so far, and checkpoint this step; True if it did.
+        All ranks call it (run/best.py)."""
+        models = {name: unwrap(model) for name, model in self.models.items()}
+        if better := self._best.offer(value, mode, self.step, models, self.out, self.env):
+            self.cycle.request_save()
+        return better
+
     def evaluate(self, dataset: Dataset, fn: Any, **kwargs: Any) -> dict[str, float]:
-        """Exact mean (``reduce="sum"``: sum) over ``dataset`` of what ``fn(batch)`` returns per
-        batch: a mean-over-the-batch tensor, or a dict of them. Each sample counts once; shards are
-        uneven, nothing is padded. Models are in eval mode and no gradient is kept meanwhile. A
-        dataset's random draws are seeded per sample: the same at every evaluation and world size."""
+        """Exact mean (``reduce="sum"``: sum) over ``dataset`` of ``fn(batch)``, a batch's mean (or a
+        dict of them), each sample once, models in eval mode, draws seeded per sample (evaluate.py)."""
         self._phase("eval: metric sums all_gather")
         with local_forwards(list(self.models.values())):
             return evaluate(dataset, fn, self.env, list(self.models.values()), seed=self.seed, **kwargs)
@@ -278,8 +284,8 @@ class Run(RunPosition, PerSample):
         self.cycle.close(plot)
 
     def _finish_at_exit(self) -> None:
-        # Only after a loop that ended normally: a rank leaving through an exception must not
-        # enter a collective its peers never reach (sys.last_value is set by the excepthook).
+        # Only after a loop that ended normally: a rank leaving through an exception must not enter
+        # a collective its peers never reach (sys.last_value is set by the excepthook).
         if self.cycle.closed or getattr(sys, "last_value", None) is not None or not self.cycle.started:
             return self.close()
         log.info("finishing the run at exit (run.finish() was not called)")
@@ -289,7 +295,4 @@ class Run(RunPosition, PerSample):
         return self
 
     def __exit__(self, kind: type | None, *exc: object) -> None:
-        if kind is None:
-            self.finish()
-        else:
-            self.close()
+        self.finish() if kind is None else self.close()
