@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--kill-in-epoch-end", type=int, default=-1)
     parser.add_argument("--rank0-save", action="store_true")
     parser.add_argument("--plateau", action="store_true")
+    parser.add_argument("--data-seed", type=int, default=0)
     args = parser.parse_args()
     epochs = 8 if args.plateau else EPOCHS
 
@@ -75,7 +76,7 @@ def main() -> None:
     net[1].requires_grad_(False)
     model = run.setup(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = run.loader(Flips(60, seed=0), num_workers=2)
+    loader = run.loader(Flips(60, seed=args.data_seed), num_workers=2)
     total = epochs * len(loader)  # the schedule's length, as on one device
     # Linear warm-up and decay, HF's get_linear_schedule_with_warmup written out: the length lives
     # in the closure, not in the scheduler's state_dict, so a resume keeps whatever len() said.

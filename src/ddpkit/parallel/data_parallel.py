@@ -21,6 +21,7 @@ from ddpkit.parallel.reducer import Reducer
 from ddpkit.parallel.sync import (
     broadcast_coalesced,
     call_module,
+    eager,
     find_tensors,
     map_tensors,
     verify_same_params,
@@ -154,7 +155,7 @@ class DataParallel(nn.Module, Joinable):
         will_sync, inputs, kwargs = self._pre_forward(inputs, kwargs)
         return self._post_forward(call_module(self.module, *inputs, **kwargs), will_sync)
 
-    @torch.compiler.disable
+    @eager
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[bool, tuple, dict]:
         self.reducer.raise_pending_error()
         joining = self._join_config.enable
@@ -172,7 +173,7 @@ class DataParallel(nn.Module, Joinable):
             inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
         return will_sync, inputs, kwargs
 
-    @torch.compiler.disable
+    @eager
     def _post_forward(self, output: object, will_sync: bool) -> object:
         if will_sync:
             self.reducer.prepare_for_backward(find_tensors(output) if self.reducer.find_unused else [])

@@ -115,3 +115,11 @@ def call_module(module: nn.Module, *inputs, **kwargs) -> object:
     but skips those in torch's own files, so an ``nn.Sequential`` of torch's layers called from
     the engine directly would run uncompiled. This frame is traced, and the module with it."""
     return module(*inputs, **kwargs)
+
+
+def eager(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``: run eagerly, never traced by torch.compile, with torch._dynamo
+    imported at the first call rather than when ddpkit is imported (0.9 s of start-up): torch's
+    own DDP does the same through ``torch._disable_dynamo``, which this uses where torch has it."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)

@@ -21,7 +21,7 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import DataParallel
 from ddpkit.parallel.compression import parse_powersgd
-from ddpkit.parallel.sync import broadcast_coalesced, call_module
+from ddpkit.parallel.sync import broadcast_coalesced, call_module, eager
 from ddpkit.run.config import EngineConfig
 from ddpkit.run.draws import SampleDraws
 from ddpkit.run.engine_errors import trainable_error, unused_error, unused_names
@@ -108,7 +108,7 @@ class _RunEngine:
                 raise
             raise unused_error(names, type(unwrap(self)).__name__) from None
 
-    @torch.compiler.disable
+    @eager
     def _follow_trainable(self) -> bool:
         """Re-plan the engine when what requires grad changed since the last training forward.
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ddpkit.parallel.errors import DataParallelError
-from ddpkit.parallel.sync import call_module
+from ddpkit.parallel.sync import call_module, eager
 
 WATCHED_STEPS = 3  # steps whose backward passes are checked for parameters without a gradient
 
@@ -51,7 +51,7 @@ class LocalEngine(nn.Module):
             self._check_last_backward()
         return call_module(self.module, *inputs, **kwargs)
 
-    @torch.compiler.disable
+    @eager
     def _check_last_backward(self) -> None:
         # As DDP's reducer at the next forward: some gradients came, but not all of them.
         if self._armed and self._got:
