@@ -33,7 +33,7 @@ def test_every_seed_program_has_an_example():
 
 # tests/run runs these to the end (their self-checks included), killed and resumed; task_mlp is
 # a task file for `ddpkit train`, run by tests/train/test_task_files.py.
-RUN_ELSEWHERE = {"own_loop", "hf_style", "gan", "task_mlp"}
+RUN_ELSEWHERE = {"own_loop", "hf_style", "gan", "task_mlp", "iterations"}
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The GAN (two models, two optimizers) and the dict-batch model resume bit for bit after a SIGKILL."""
+"""The GAN (two models, two optimizers), the dict-batch model and the iteration-based loop resume bit
+for bit after a SIGKILL."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def _cmd(example: str, out: Path, *extra: str) -> list[str]:
     [
         ("gan", ("--save-every", "20"), 150, ("generator.pt", "discriminator.pt")),
         ("hf_style", ("--save-every", "5", "--micro-batch", "4"), 15, ("model.pt",)),
+        # An lr set by hand from run.step, a budget of steps=, evaluation and the best model kept.
+        (
+            "iterations",
+            ("--iters", "400", "--save-every", "50", "--eval-every", "50"),
+            150,
+            ("model.pt", "best.pt"),
+        ),
     ],
 )
 def test_example_resumes_bit_for_bit_after_sigkill(tmp_path, example, extra, kill_after, weights):
