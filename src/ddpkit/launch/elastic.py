@@ -22,6 +22,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error
 from ddpkit.launch.hang_monitor import HangMonitor
 from ddpkit.launch.rendezvous import checked_backend
+from ddpkit.launch.restarts import RestartLine
 from ddpkit.launch.stopping import GRACE_S, StopOnSignal, failure_grace, split_signals
 from ddpkit.launch.torchrun_flags import check_launch_args, nnodes_range
 from ddpkit.launch.workerenv import environment, run_directory, worker_variables
@@ -74,7 +75,10 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
     signals, ns.signals_to_handle = split_signals(ns.signals_to_handle, getattr(ns, "preempt_signal", None))
     grace = GRACE_S if ns.shutdown_timeout is None else ns.shutdown_timeout
     with run_directory() as run_dir:
-        monitor = HangMonitor(run_dir, collective_timeout, announce=ns.max_restarts > 0)
+        restarts = RestartLine(ns.max_restarts).install()  # one line per restart, naming who failed
+        monitor = HangMonitor(
+            run_dir, collective_timeout, announce=ns.max_restarts > 0, new_round=restarts.on_round
+        )
         watched = collective_timeout != 0
         progress_s = monitor.poll_s if watched else 0.0
         with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
@@ -96,6 +100,7 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
                         raise ConfigError(why) from None
                     finally:
                         monitor.stop()
+                        restarts.uninstall()
             except SignalException as exc:
                 raise stop.report(exc.sigval) from None
 

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,9 +56,15 @@ class HangMonitor:
     """
 
     def __init__(
-        self, run_dir: Path, timeout_s: float | None, poll_s: float = 1.0, announce: bool = False
+        self,
+        run_dir: Path,
+        timeout_s: float | None,
+        poll_s: float = 1.0,
+        announce: bool = False,
+        new_round: Callable[[int], None] | None = None,
     ) -> None:
         self.run_dir, self.timeout_s, self.poll_s, self.announce = run_dir, timeout_s, poll_s, announce
+        self.new_round = new_round  # told each round's generation (restarts.RestartLine.on_round)
         self.verdict: str | None = None
         self.report_path = run_dir / "hang-report.txt"
         self._round: tuple[int, int, dist.Store, int] | None = None  # node rank, nodes, store, generation
@@ -92,6 +99,8 @@ class HangMonitor:
         generation = self._round[3] + 1 if self._round else 1
         self._round = (node_rank, nnodes, dist.PrefixStore(PREFIX, clone), generation)
         self._worker_store, self._host_store = clone, store
+        if self.new_round is not None:
+            self.new_round(generation)
 
     def peer_unreachable(self, wait_s: float = UNREACHABLE_WAIT_S) -> str | None:
         """Why another node of the round could not reach this node's workers' store, if one said so.
