@@ -85,6 +85,7 @@ class Monitor:
         self.check_every = CHECK_EVERY[0] if cfg.check_every is None else cfg.check_every
         # The last log step's gather, still in flight.
         self.gather = LogGather(env, cfg.flops_per_sample, device_peak(env.device, cfg.peak_flops))
+        self.last_loss: float | None = None  # the loss of the last metrics line finished
         self.slow_streak: dict[int, int] = {}  # rank -> log windows in a row it was a straggler in
         self.warned: dict[int, float] = {}  # rank -> when it was last called one
 
@@ -234,6 +235,7 @@ class Monitor:
     def _finish_gather(self) -> tuple[dict, int]:
         self.phase(self.gather.pending.step, "log: loss, timings and metrics all_gather")
         record, signal = self.gather.finish()
+        self.last_loss = record["loss"]  # run.loss, on every rank: the rows came from every rank
         if self.env.is_rank0:
             self._report(record["step"], record)
         return record, signal

@@ -58,6 +58,14 @@ class RunPosition:
         the optimizer steps, and a collective here (``run.evaluate``) is reached by every rank."""
         return self.cycle.at_step_end
 
+    @property
+    def loss(self) -> float | None:
+        """The loss of the last metrics line: the mean over every rank and micro-batch of its
+        steps (what ``metrics.jsonl`` says, the same on any world size). Its gather finishes
+        without a wait, so in the loop it is the line of two steps before (None until then);
+        after ``finish``, the last line's. ``loss.item()`` is this rank's micro-batch alone."""
+        return self.cycle.monitor.last_loss
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
         if self.env.is_rank0:
