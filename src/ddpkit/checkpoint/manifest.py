@@ -102,28 +102,26 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_dir():
         return [f"{path} is not a directory" if path.exists() else f"{path} does not exist"]
-    try:
-        manifest = read_manifest(path)
-    except FileNotFoundError:
-        return [f"missing {MANIFEST}"]
-    except ValueError as exc:
-        return [f"unreadable {MANIFEST} ({exc})"]
-    found = verify_files(path, manifest)
-    return [p for p in found.values() if p] + manifest_problems(path, manifest)
+    return _problems(path, _check_file)
 
 
 def quick_problems(path: Path) -> list[str]:
     """What is visibly wrong with a checkpoint without reading its files' contents: its manifest,
     and each listed file's presence and size. Choosing a checkpoint reads this much; the hashes
     are checked by the ranks that read the files (``verify_share``)."""
+    return _problems(Path(path), _check_size)
+
+
+def _problems(path: Path, check) -> list[str]:
+    """The manifest's problems and each listed file's, as ``check(file, entry)`` finds them."""
     try:
         manifest = read_manifest(path)
     except FileNotFoundError:
         return [f"missing {MANIFEST}"]
     except ValueError as exc:
         return [f"unreadable {MANIFEST} ({exc})"]
-    sizes = [_check_size(path / name, entry) for name, entry in manifest["files"].items()]
-    return [p for p in sizes if p] + manifest_problems(path, manifest)
+    found = [check(path / name, entry) for name, entry in manifest["files"].items()]
+    return [p for p in found if p] + manifest_problems(path, manifest)
 
 
 def verify_share(path: Path, rank: int, world_size: int) -> list[str]:

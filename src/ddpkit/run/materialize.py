@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
+from ddpkit.run.models import key_mismatch
 
 Init = Callable[[nn.Module], object]
 
@@ -228,13 +229,7 @@ def _copy_into(real: torch.Tensor, full: torch.Tensor) -> None:
 def _check_keys(model: nn.Module, source: Mapping) -> None:
     """One line when the file is another model's: keys missing (a tied alias may be), unknown, or
     of another shape."""
-    tensors = dict(model.state_dict(keep_vars=True))
-    names_of: dict[int, list[str]] = {}
-    for name, t in tensors.items():
-        names_of.setdefault(id(t), []).append(name)
-    missing = [n for n, t in tensors.items() if not any(alias in source for alias in names_of[id(t)])]
-    unknown = [k for k in source.keys() if k not in tensors]
-    shapes = [k for k in tensors if k in source and tuple(source.get(k).shape) != tuple(tensors[k].shape)]
+    missing, unknown, shapes = key_mismatch(model, source)
     if missing or unknown or shapes:
         first = (missing or unknown or shapes)[0]
         raise ConfigError(

@@ -43,10 +43,7 @@ def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -
     sharded checkpoint's come once the model is sharded (``sharded_state.load_model``)."""
     if is_sharded_entry(weights):
         return
-    mine, theirs = model.state_dict(), weights
-    missing = [k for k in mine if k not in theirs]
-    unexpected = [k for k in theirs if k not in mine]
-    shapes = [k for k in mine if k in theirs and mine[k].shape != theirs[k].shape]
+    missing, unexpected, shapes = key_mismatch(model, weights)
     if missing or unexpected or shapes:
         first = (missing or unexpected or shapes)[0]
         raise ConfigError(
@@ -55,6 +52,21 @@ def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -
             "resume from a checkpoint of this model, or start a new out"
         )
     model.load_state_dict(weights)
+
+
+def key_mismatch(model: nn.Module, source) -> tuple[list[str], list[str], list[str]]:
+    """How the tensors of ``source`` (a state dict, or anything with ``keys``, ``in`` and ``get``)
+    fail to fit ``model``: its keys missing (a tied parameter may be present under one of its
+    names only), keys it lacks, and keys of another shape."""
+    tensors = dict(model.state_dict(keep_vars=True))
+    names_of: dict[int, list[str]] = {}
+    for name, t in tensors.items():
+        names_of.setdefault(id(t), []).append(name)
+    missing = [n for n, t in tensors.items() if not any(alias in source for alias in names_of[id(t)])]
+    unknown = [k for k in source.keys() if k not in tensors]
+    get = source.get if hasattr(source, "get") else source.__getitem__
+    shapes = [k for k in tensors if k in source and tuple(get(k).shape) != tuple(tensors[k].shape)]
+    return missing, unknown, shapes
 
 
 def save_weights(module: nn.Module, path: Path, env: DistEnv) -> None:
