@@ -148,8 +148,8 @@ class DataParallel(nn.Module, Joinable):
         """True when buffers are broadcast before forwards (forward_sync_buffers and the model has some)."""
         return self.forward_sync_buffers and bool(_managed_buffers(self.module))
 
-    # As torch's DDP: torch.compile compiles the module this calls, as one graph; the reducer's
-    # bookkeeping around it runs eagerly, never traced (traced, it cost 3 more graphs, 5 breaks).
+    # torch.compile compiles the module this calls as one graph; the reducer's bookkeeping around
+    # it runs eagerly (``eager``), never traced (traced, it cost 3 more graphs and 5 breaks).
     def forward(self, *inputs, **kwargs):
         """Run the wrapped module; when gradients will be synchronized, arm the reducer."""
         will_sync, inputs, kwargs = self._pre_forward(inputs, kwargs)
