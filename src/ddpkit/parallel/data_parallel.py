@@ -23,6 +23,8 @@ from ddpkit.parallel.sync import (
     call_module,
     eager,
     find_tensors,
+    managed_buffers,
+    managed_params,
     map_tensors,
     verify_same_params,
 )
@@ -91,7 +93,7 @@ class DataParallel(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)
         bucket_cap_mb = checks.DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        params = _managed_params(module)
+        params = managed_params(module)
         checks.check_args(module, params, bucket_cap_mb, first_bucket_mb)
         checks.warn_deprecated(check_reduction, static_graph, find_unused_parameters)
         self.module, self.dim = module, dim
@@ -121,11 +123,11 @@ class DataParallel(nn.Module, Joinable):
     def _sync_initial_state(self, params: list[nn.Parameter], with_buffers: bool) -> None:
         verify_same_params(self.module, self.process_group)
         # Replicas must start identical; rank 0's initialization wins.
-        buffers = _managed_buffers(self.module) if with_buffers else []
+        buffers = managed_buffers(self.module) if with_buffers else []
         broadcast_coalesced(params + buffers, self.process_group, 0)
 
     def _make_reducer(self) -> Reducer:
-        named = [(name, p) for name, p in _managed_params(self.module, named=True) if p.requires_grad]
+        named = [(name, p) for name, p in managed_params(self.module, named=True) if p.requires_grad]
         return Reducer(
             named,
             self.process_group,
@@ -146,7 +148,7 @@ class DataParallel(nn.Module, Joinable):
     @property
     def has_buffers_to_sync(self) -> bool:
         """True when buffers are broadcast before forwards (forward_sync_buffers and the model has some)."""
-        return self.forward_sync_buffers and bool(_managed_buffers(self.module))
+        return self.forward_sync_buffers and bool(managed_buffers(self.module))
 
     # torch.compile compiles the module this calls as one graph; the reducer's bookkeeping around
     # it runs eagerly (``eager``), never traced (traced, it cost 3 more graphs and 5 breaks).
@@ -165,7 +167,7 @@ class DataParallel(nn.Module, Joinable):
             self.reducer.rebuild_buckets()
         if self.sync_buffers_next:
             src = agree_on_rank(self, True) if joining else 0
-            broadcast_coalesced(_managed_buffers(self.module), self.process_group, src)
+            broadcast_coalesced(managed_buffers(self.module), self.process_group, src)
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if joining:
             agree_to_sync(self, will_sync)
@@ -288,18 +290,3 @@ class DataParallel(nn.Module, Joinable):
         super().__setstate__(state)
         self.process_group = dist.group.WORLD
         self.reducer = self._make_reducer()
-
-
-def _ignored(module: nn.Module) -> set[str]:
-    # torch's DDP leaves out what _set_params_and_buffers_to_ignore_for_model names.
-    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-
-
-def _managed_params(module: nn.Module, named: bool = False) -> list:
-    ignored = _ignored(module)
-    return [(n, p) if named else p for n, p in module.named_parameters() if n not in ignored]
-
-
-def _managed_buffers(module: nn.Module) -> list[torch.Tensor]:
-    ignored = _ignored(module)
-    return [b for n, b in module.named_buffers() if n not in ignored]

@@ -123,3 +123,20 @@ def eager(fn: Callable) -> Callable:
     own DDP does the same through ``torch._disable_dynamo``, which this uses where torch has it."""
     lazy = getattr(torch, "_disable_dynamo", None)
     return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+def _ignored(module: nn.Module) -> set[str]:
+    # torch's DDP leaves out what _set_params_and_buffers_to_ignore_for_model names.
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def managed_params(module: nn.Module, named: bool = False) -> list:
+    """The parameters a DataParallel syncs (``(name, p)`` pairs with ``named``), in module order."""
+    ignored = _ignored(module)
+    return [(n, p) if named else p for n, p in module.named_parameters() if n not in ignored]
+
+
+def managed_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers a DataParallel broadcasts, in module order."""
+    ignored = _ignored(module)
+    return [b for n, b in module.named_buffers() if n not in ignored]
