@@ -47,13 +47,23 @@ _AT_TRACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def remember_settings(obj: object) -> None:
     """``run.track``: the hyper-parameters of an optimizer or LR scheduler as the script set them."""
     if isinstance(obj, torch.optim.Optimizer):
-        _AT_TRACK[obj] = [{k: v for k, v in group.items() if k != "params"} for group in obj.param_groups]
+        _AT_TRACK[obj] = [
+            {k: v for k, v in group.items() if k != "params" and (v is None or _plain(v))}
+            for group in obj.param_groups
+        ]
     elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-        plain = (int, float, tuple, list, str)
         _AT_TRACK[obj] = {
             k: v for k, v in vars(obj).items()
-            if not k.startswith("_") and k not in ("last_epoch", "base_lrs") and isinstance(v, plain)
+            if not k.startswith("_") and k not in ("last_epoch", "base_lrs") and _plain(v)
         }  # fmt: skip
+
+
+def _plain(value: object) -> bool:
+    """A number, a string, or a list or tuple of them: a setting a checkpoint can hold (not
+    LambdaLR's functions)."""
+    if isinstance(value, list | tuple):
+        return all(isinstance(v, int | float | str) for v in value)
+    return isinstance(value, int | float | str)
 
 
 def settings(objects: dict) -> dict:
