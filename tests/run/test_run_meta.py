@@ -85,11 +85,11 @@ def test_weights_of_another_model_or_no_file_are_one_line(tmp_path):
     for weights, match in [
         (
             tmp_path / "other.pt",
-            r"do not fit NoReset: 0 of its tensors missing, 0 unknown, 1 of another shape",
+            r"do not fit NoReset \(0 of this model's tensors missing, 0 unknown, 1 of another shape",
         ),
         (
             tmp_path / "more.pt",
-            r"do not fit NoReset: 0 of its tensors missing, 1 unknown, 0 of another shape",
+            r"do not fit NoReset \(0 of this model's tensors missing, 1 unknown, 0 of another shape",
         ),
         (tmp_path / "absent.pt", r"weights='.*absent.pt' does not exist"),
         (tmp_path, r"is a folder without model.safetensors.index.json"),

@@ -229,13 +229,10 @@ def _copy_into(real: torch.Tensor, full: torch.Tensor) -> None:
 def _check_keys(model: nn.Module, source: Mapping) -> None:
     """One line when the file is another model's: keys missing (a tied alias may be), unknown, or
     of another shape."""
-    missing, unknown, shapes = key_mismatch(model, source)
-    if missing or unknown or shapes:
-        first = (missing or unknown or shapes)[0]
+    if (mismatch := key_mismatch(model, source)) is not None:
         raise ConfigError(
-            f"the weights do not fit {type(model).__name__}: {len(missing)} of its tensors missing, "
-            f"{len(unknown)} unknown, {len(shapes)} of another shape (first {first!r}); give the "
-            "weights of this model, saved from model.state_dict()"
+            f"the weights do not fit {type(model).__name__} ({mismatch}); give the weights of this "
+            "model, saved from model.state_dict()"
         )
 
 

@@ -43,21 +43,18 @@ def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -
     sharded checkpoint's come once the model is sharded (``sharded_state.load_model``)."""
     if is_sharded_entry(weights):
         return
-    missing, unexpected, shapes = key_mismatch(model, weights)
-    if missing or unexpected or shapes:
-        first = (missing or unexpected or shapes)[0]
+    if (mismatch := key_mismatch(model, weights)) is not None:
         raise ConfigError(
-            f"cannot resume {name!r} from {path}: it holds another model ({len(missing)} of this model's "
-            f"tensors missing, {len(unexpected)} unknown, {len(shapes)} of another shape; first {first!r}); "
+            f"cannot resume {name!r} from {path}: it holds another model ({mismatch}); "
             "resume from a checkpoint of this model, or start a new out"
         )
     model.load_state_dict(weights)
 
 
-def key_mismatch(model: nn.Module, source) -> tuple[list[str], list[str], list[str]]:
+def key_mismatch(model: nn.Module, source) -> str | None:
     """How the tensors of ``source`` (a state dict, or anything with ``keys``, ``in`` and ``get``)
-    fail to fit ``model``: its keys missing (a tied parameter may be present under one of its
-    names only), keys it lacks, and keys of another shape."""
+    fail to fit ``model`` ("2 of this model's tensors missing, 0 unknown, 1 of another shape;
+    first 'head.weight'"; a tied parameter may be present under one of its names only), or None."""
     tensors = dict(model.state_dict(keep_vars=True))
     names_of: dict[int, list[str]] = {}
     for name, t in tensors.items():
@@ -66,7 +63,13 @@ def key_mismatch(model: nn.Module, source) -> tuple[list[str], list[str], list[s
     unknown = [k for k in source.keys() if k not in tensors]
     get = source.get if hasattr(source, "get") else source.__getitem__
     shapes = [k for k in tensors if k in source and tuple(get(k).shape) != tuple(tensors[k].shape)]
-    return missing, unknown, shapes
+    if not (missing or unknown or shapes):
+        return None
+    first = (missing or unknown or shapes)[0]
+    return (
+        f"{len(missing)} of this model's tensors missing, {len(unknown)} unknown, "
+        f"{len(shapes)} of another shape; first {first!r}"
+    )
 
 
 def save_weights(module: nn.Module, path: Path, env: DistEnv) -> None:
