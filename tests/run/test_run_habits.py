@@ -156,7 +156,7 @@ def test_killed_in_or_right_after_the_epoch_end_code_the_rerun_is_bit_equal(plat
     # at step 26, the next epoch's first: the rerun runs epoch 4's end exactly once. Step 26 once
     # resumed from a checkpoint taken before epoch 4's validation, which the rerun then never ran.
     # Then the finished command, run again, changes nothing.
-    out, command = tmp_path / "cut", ("--plateau", "--micro-batch", "2")
+    out, command = tmp_path / "cut", ("--plateau", "--data-seed", "3", "--micro-batch", "2")
     _run(out, 2, *command, *kill, code=1)
     assert "resumed from" in _run(out, 2, *command).stdout
     whole = plateau_runs["2-micro"]
