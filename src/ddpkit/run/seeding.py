@@ -3,8 +3,9 @@
 A single-device script's augmentation (a random flip in ``__getitem__``) draws from the global
 generators of whichever process fetches the sample. Under data parallelism that process, its
 position in its stream and the other samples of its batch all depend on the world size and the
-micro-batch, so the draws would too. ``SeededFetch`` seeds python, numpy and torch's CPU
-generator from (run seed, epoch, sample index) before each sample instead.
+micro-batch, so the draws would too. ``SeededFetch`` seeds each generator the dataset draws from
+(python's, numpy's, torch's CPU one, its own) from (run seed, epoch, sample index) before each
+sample instead.
 """
 
 from __future__ import annotations
