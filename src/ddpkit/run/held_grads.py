@@ -53,6 +53,8 @@ class HeldGrads:
     def restore(self, last: bool = True) -> None:
         """Before a backward (``last``: the step's last micro-batch, or the step's end): give the
         held gradients back to add to. Before an earlier one, a closed parameter's stay apart."""
+        if not (self.placeholders or self.held or self.post or self.closed):
+            return  # nothing held: a step of one micro-batch
         for param, zeros in self.placeholders:
             if param.grad is zeros:
                 param.grad = None

@@ -151,7 +151,8 @@ class Run(RunPosition, PerSample):
         else:
             note_dropout(model, self.env.is_rank0)
         plan.before_wrap(unwrap(model), lambda m: load_weights(m, saved, name, self.session.resume_path))
-        self.monitor.watch(model)  # before the engine's hooks, which wait for the all-reduce
+        if self.env.world_size > 1:  # before the engine's hooks, which wait for the all-reduce
+            self.monitor.watch(model)
         wrapped = wrap(model, self.env, self.engine_cfg, self._draws)
         plan.after_wrap(unwrap(wrapped))
         load_model(self.session.resume_path, name, saved, unwrap(wrapped))  # a sharded checkpoint's
