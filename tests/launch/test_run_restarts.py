@@ -92,6 +92,8 @@ def test_restarts_bring_back_a_script_with_its_own_snapshots(tmp_path, uninterru
     assert len(said) == 2, done.stderr[-3000:]
     assert "restart 1 of 3: local rank 1 " in said[0] and "killed by signal SIGKILL" in said[0], said
     assert "restart 2 of 3: local rank 0 " in said[1] and "killed by signal SIGKILL" in said[1], said
+    # Not a ddpkit.Run script: nothing tells where it goes on from but the script itself.
+    assert all(line.endswith("; no ddpkit checkpoint: the script starts over") for line in said), said
     timings = restart_timings(done.stdout, killed)
     assert len(timings) == 2 and all("stepped" in t for t in timings), done.stdout
     print(f"run {attempt}: from a worker's death to the restarted ranks' marks (s): {timings}")

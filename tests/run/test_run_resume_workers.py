@@ -7,6 +7,7 @@ Apart from tests/run/test_run_resume.py so that the suite's two workers can shar
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -34,5 +35,8 @@ def test_with_dataloader_workers_a_killed_job_and_a_killed_rank_both_resume_bit_
     os.kill(_ranks(proc.pid)[0], signal.SIGKILL)  # its DataLoader workers must die with it
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
-    assert "resumed from" in stdout
+    step = re.search(r"resumed from \S+ at step (\d+)", stdout).group(1)
+    said = [line for line in stderr.splitlines() if line.startswith("ddpkit: restart")]
+    assert len(said) == 1 and "restart 1 of 1: local rank 0 " in said[0], stderr[-3000:]
+    assert f"; the workers resume from step {step} ({out.resolve()}/checkpoints/step-" in said[0], said
     assert _same(_model(tmp_path / "whole"), _model(out)), "the restarted run's model differs"

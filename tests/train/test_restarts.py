@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import descendants
+
+from ddpkit.launch.restarts import EVENTS
+from ddpkit.run.metrics import read_metrics
+from ddpkit.train.report import summarize
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +89,20 @@ def test_killed_workers_restart_and_finish_bit_identical(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert first < second < 60, (first, second)
     assert out.count("resumed from") >= 2  # one per kill (a restart that itself fails adds one)
+    # One line per restart, naming the step the Run then resumed from; the same in events.jsonl
+    # and in `ddpkit report`'s summary.
+    said = [line for line in err.splitlines() if line.startswith("ddpkit: restart")]
+    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", out)]
+    named = [int(re.search(r"the workers resume from step (\d+) \(", line).group(1)) for line in said]
+    assert len(said) >= 2 and named == resumed, (said, resumed)
+    assert all(" of 3: local rank " in line and "killed by signal SIGKILL" in line for line in said[:2])
+    events = read_metrics(tmp_path / "cut" / EVENTS)
+    assert [(e["restart"], e["step"]) for e in events] == list(enumerate(named, 1)), events
+    summary = summarize(read_metrics(tmp_path / "cut" / "metrics.jsonl"), None, events)
+    restarts = [line for line in summary if line.startswith("restart ")]
+    assert len(restarts) == len(named), summary
+    assert restarts[0].startswith("restart        1 of 3: local rank "), restarts
+    assert restarts[0].endswith(f"; resumed from step {named[0]}"), restarts
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)

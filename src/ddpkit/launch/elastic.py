@@ -75,7 +75,7 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
     signals, ns.signals_to_handle = split_signals(ns.signals_to_handle, getattr(ns, "preempt_signal", None))
     grace = GRACE_S if ns.shutdown_timeout is None else ns.shutdown_timeout
     with run_directory() as run_dir:
-        restarts = RestartLine(ns.max_restarts).install()  # one line per restart, naming who failed
+        restarts = RestartLine(ns.max_restarts, run_dir).install()  # one line per restart, naming who failed
         monitor = HangMonitor(
             run_dir, collective_timeout, announce=ns.max_restarts > 0, new_round=restarts.on_round
         )

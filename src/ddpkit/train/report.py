@@ -7,12 +7,14 @@ from pathlib import Path
 
 from ddpkit.diagnostics.stats import FIELDS, stragglers
 from ddpkit.errors import ConfigError, OneLineParser
+from ddpkit.launch.restarts import EVENTS
 from ddpkit.run.metrics import read_metrics
 from ddpkit.train.job import task_name
 
 
-def summarize(records: list[dict], cfg: dict | None) -> list[str]:
-    """Lines of the summary: steps, losses, throughput and where the time went."""
+def summarize(records: list[dict], cfg: dict | None, events: list[dict] = ()) -> list[str]:
+    """Lines of the summary: steps, losses, throughput, restarts (``events``, from
+    OUT/events.jsonl) and where the time went."""
     logged = [r for r in records if "loss" in r]
     if not logged:
         raise ConfigError("the run logged no steps yet; wait for its first --log-every steps")
@@ -41,10 +43,18 @@ def summarize(records: list[dict], cfg: dict | None) -> list[str]:
     if peaks:
         device = f", {max(cuda):.0f} MiB allocated on a GPU" if cuda else ""
         lines.append(f"peak memory    {max(peaks):.0f} MiB resident on the largest rank{device}")
+    lines += [restart_line(event) for event in events if event.get("event") == "restart"]
     total = sum(r.get("time_s", 0.0) for r in logged)
     lines.append(f"time logged    {total:.2f}s; per rank (seconds, summed over the run):")
     lines += rank_totals(logged)
     return lines
+
+
+def restart_line(event: dict) -> str:
+    """One restart the launcher noted in OUT/events.jsonl (launch/restarts.py)."""
+    line = f"restart        {event['restart']} of {event['of']}: local rank {event['local_rank']} on "
+    line += f"{event['host']} failed first ({event['why']})"
+    return line + (f"; resumed from step {event['step']}" if event["step"] is not None else "")
 
 
 def rank_totals(logged: list[dict]) -> list[str]:
@@ -103,7 +113,8 @@ def main(argv: list[str]) -> int:
     records = read_metrics(metrics)
     saved = out / "config.json"
     cfg = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else None
-    print("\n".join(summarize(records, cfg)))
+    events = read_metrics(out / EVENTS) if (out / EVENTS).is_file() else []
+    print("\n".join(summarize(records, cfg, events)))
     plot_report(
         records, out / "report.png", title=f"{task_name(cfg['train']['task']) if cfg else out.name}: {out}"
     )
