@@ -81,7 +81,10 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
         )
         watched = collective_timeout != 0
         progress_s = monitor.poll_s if watched else 0.0
-        with environment(worker_variables(run_dir, int(ns.nproc_per_node), progress_s)):
+        variables = worker_variables(run_dir, int(ns.nproc_per_node), progress_s)
+        if getattr(ns, "log_level", None) is not None:
+            variables["DDPKIT_LOG_LEVEL"] = ns.log_level
+        with environment(variables):
             stop = StopOnSignal(signals, float(grace))
             try:
                 with stop, failure_grace(grace), quiet_after_user_error(run_dir):

@@ -19,6 +19,9 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch.ports import check_port_free
 from ddpkit.launch.rendezvous import node_zero_port_taken
 from ddpkit.launch.stopping import GRACE_HELP, GRACE_S, PREEMPT_HELP, parse_signal
+from ddpkit.logs import log_level
+
+LOG_LEVEL_HELP = "ddpkit's log lines in the workers: debug, info (default), warning or error"
 
 # The torchrun flags `ddpkit train` shares with `ddpkit run`: (flags, argparse keyword arguments).
 LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
@@ -55,6 +58,13 @@ LAUNCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
         {"type": int, "default": int(GRACE_S), "metavar": "SECONDS", "help": GRACE_HELP},
     ),
     (("--preempt-signal", "--preempt_signal"), {"default": None, "metavar": "SIGNAL", "help": PREEMPT_HELP}),
+    (
+        ("--log-level",),
+        {
+            "default": None,
+            "help": "ddpkit's log lines: debug, info (default), warning or error",
+        },
+    ),
 ]
 
 
@@ -133,6 +143,7 @@ def run_parser() -> argparse.ArgumentParser:
         help=GRACE_HELP,
     )
     parser.add_argument("--preempt-signal", default=None, metavar="SIGNAL", help=PREEMPT_HELP)
+    parser.add_argument("--log-level", default=None, help=LOG_LEVEL_HELP)
     return parser
 
 
@@ -175,6 +186,8 @@ def check_launch_args(ns: argparse.Namespace) -> None:
     low, high = nnodes_range(ns.nnodes)
     if ns.max_restarts < 0:
         raise ConfigError(f"--max-restarts {ns.max_restarts} is below 0; use 0 or more")
+    if getattr(ns, "log_level", None) is not None:
+        log_level(ns.log_level)
     if ns.shutdown_timeout is not None and ns.shutdown_timeout < 0:
         raise ConfigError(f"--grace-period {ns.shutdown_timeout} is below 0; give seconds, 0 or more")
     if ns.rdzv_backend == "static" and not ns.standalone:
