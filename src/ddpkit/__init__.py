@@ -5,6 +5,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
+from ddpkit.run.ema import EMA
 from ddpkit.run.materialize import empty_init
 from ddpkit.train.task import Task
 from ddpkit.version import __version__
@@ -13,6 +14,7 @@ __all__ = [
     "ConfigError",
     "DataParallel",
     "DistEnv",
+    "EMA",
     "LaunchError",
     "Run",
     "Task",

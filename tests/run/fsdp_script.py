@@ -2,8 +2,9 @@
 tests/run/test_run_fsdp.py runs it under `ddpkit run` with ``--engine fsdp`` and ``torch``.
 
 The loop clips the gradient itself (``clip_grad_norm_``) on top of ``grad_clip``, steps an LR
-schedule, and validates with ``run.evaluate`` on a split whose shards are uneven (the sharded
-model's forwards are collectives: ranks with fewer batches must keep in step).
+schedule, keeps an EMA of the weights (``ddpkit.EMA``, sharded as the model on fsdp, OUT/ema.pt
+at the end), and validates the model and its EMA with ``run.evaluate`` on a split whose shards
+are uneven (the sharded model's forwards are collectives: ranks with fewer batches must keep in step).
 
 Flags: --out, --engine, --micro-batch N, --kill-at STEP (rank 0 SIGKILLs itself after that
 step), --kill-in-save STEP (rank 0 SIGKILLs itself inside its DCP write of that step), --zero2.
@@ -86,7 +87,8 @@ def main() -> None:
     loader = run.loader(data(60, seed=0))
     total = EPOCHS * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (total - step) / total)
-    run.track(optimizer, scheduler)
+    ema = ddpkit.EMA(model, decay=0.8)
+    run.track(optimizer, scheduler, ema=ema)
     held_out = data(9, seed=1)  # 5 and 4 samples on 2 ranks: 2 and 1 batches of 4
     if args.kill_in_save and run.rank == 0:
         kill_inside_save(args.kill_in_save)
@@ -98,13 +100,17 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
             optimizer.step()
             scheduler.step()
+            ema.update()
             os.environ["DDPKIT_TEST_STEP"] = str(run.step)
             if run.step == args.kill_at and run.rank == 0 and run.at_step_end:
                 os.kill(os.getpid(), signal.SIGKILL)
-        accuracy = run.evaluate(
-            held_out, lambda batch: (model(batch[0]).argmax(1) == batch[1]).float().mean(), batch_size=4
-        )
-        run.log(val_acc=accuracy["value"])
+
+        def accuracy(batch):
+            return (model(batch[0]).argmax(1) == batch[1]).float().mean()
+
+        with ema.applied():
+            averaged = run.evaluate(held_out, accuracy, batch_size=4)
+        run.log(val_acc=run.evaluate(held_out, accuracy, batch_size=4)["value"], ema_acc=averaged["value"])
     run.finish()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdp_script import Net
 from helpers import ddpkit_run, logged_losses, metric_lines
 
 from ddpkit.checkpoint.inspect import inspect_path
@@ -31,8 +32,14 @@ def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.Comple
     return ddpkit_run(SCRIPT, out, nproc, *extra, code=code, timeout=300)
 
 
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", weights_only=True)
+def _weights(out: Path, name: str = "model") -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def _assert_close(ours: dict, theirs: dict, rtol: float, atol: float) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=rtol, atol=atol, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +72,14 @@ def test_the_same_losses_and_weights_on_1_2_and_3_processes(runs):
     assert len(reference) == STEPS
     for name in ("fsdp-2", "fsdp-3"):
         assert logged_losses(runs[name]) == pytest.approx(reference, rel=1e-5), name
-        for key, value in _weights(runs["fsdp-1"]).items():
-            torch.testing.assert_close(_weights(runs[name])[key], value, rtol=1e-4, atol=1e-5, msg=key)
-    # run.evaluate over uneven shards (2 and 1 batches on 2 ranks) kept the ranks in step.
-    accuracies = [[line["val_acc"] for line in metric_lines(runs[n]) if "val_acc" in line] for n in runs]
-    assert all(acc == pytest.approx(accuracies[0]) for acc in accuracies) and len(accuracies[0]) == 3
+        _assert_close(_weights(runs[name]), _weights(runs["fsdp-1"]), rtol=1e-4, atol=1e-5)
+        # The EMA, each rank averaging its own shards: the same average on any number of ranks.
+        _assert_close(_weights(runs[name], "ema"), _weights(runs["fsdp-1"], "ema"), rtol=1e-4, atol=1e-5)
+    # run.evaluate over uneven shards (2 and 1 batches on 2 ranks) kept the ranks in step, with
+    # the model's own weights and with the EMA's swapped in.
+    for field in ("val_acc", "ema_acc"):
+        accuracies = [[line[field] for line in metric_lines(runs[n]) if field in line] for n in runs]
+        assert all(acc == pytest.approx(accuracies[0]) for acc in accuracies) and len(accuracies[0]) == 3
 
 
 def test_model_pt_is_the_full_copy_engines(runs):
@@ -80,6 +90,10 @@ def test_model_pt_is_the_full_copy_engines(runs):
         assert not hasattr(sharded[key], "placements"), f"{key} is still a DTensor"
         torch.testing.assert_close(sharded[key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert logged_losses(runs["fsdp-2"]) == pytest.approx(logged_losses(runs["torch-2"]), rel=1e-5)
+    # OUT/ema.pt: the full-copy engine's EMA, and it loads into a fresh model.
+    _assert_close(_weights(runs["fsdp-2"], "ema"), _weights(runs["torch-2"], "ema"), rtol=1e-5, atol=1e-6)
+    Net().load_state_dict(_weights(runs["fsdp-2"], "ema"))
+    assert not torch.equal(_weights(runs["fsdp-2"], "ema")["head.weight"], sharded["head.weight"])
 
 
 def test_a_checkpoint_killed_mid_write_is_never_loaded_and_the_rerun_is_bit_equal(runs, killed, tmp_path):
@@ -92,6 +106,8 @@ def test_a_checkpoint_killed_mid_write_is_never_loaded_and_the_rerun_is_bit_equa
     assert f"resumed from {out / 'checkpoints' / f'step-{KILL_IN_SAVE - 2:08d}'}" in done.stdout
     whole = _weights(runs["fsdp-2"])
     assert all(torch.equal(_weights(out)[k], v) for k, v in whole.items()), "the rerun's model differs"
+    whole = _weights(runs["fsdp-2"], "ema")
+    assert all(torch.equal(_weights(out, "ema")[k], v) for k, v in whole.items()), "the rerun's EMA differs"
     assert logged_losses(out) == logged_losses(runs["fsdp-2"])
     # ddpkit inspect reads a sharded checkpoint: its manifest covers every rank's DCP files.
     assert inspect_path(out / "checkpoints") == 0
@@ -102,8 +118,8 @@ def test_killed_on_2_and_resumed_on_3(runs, killed, tmp_path):
     shutil.copytree(killed, out)
     done = _run(out, 3, "--micro-batch", "2")
     assert "resumed from" in done.stdout
-    for key, value in _weights(runs["fsdp-2"]).items():
-        torch.testing.assert_close(_weights(out)[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    _assert_close(_weights(out), _weights(runs["fsdp-2"]), rtol=1e-4, atol=1e-5)
+    _assert_close(_weights(out, "ema"), _weights(runs["fsdp-2"], "ema"), rtol=1e-4, atol=1e-5)
     taken = collections.Counter()
     for path in (out / "samples").glob("rank*.jsonl"):
         for line in path.read_text().splitlines():

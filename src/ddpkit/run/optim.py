@@ -21,6 +21,7 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import OptimConfig
+from ddpkit.run.ema import EMA
 from ddpkit.run.norms import NormWatch
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,11 @@ class OptimizerGate:
         self.norms = NormWatch()  # on_nonfinite="stop": each step's norm, read a step later
 
     def track(self, obj: object) -> None:
-        """Gate an optimizer or LR scheduler (other objects are left alone); the first optimizer's
-        rate is the one metrics lines show."""
+        """Gate an optimizer, LR scheduler or EMA (other objects are left alone); the first
+        optimizer's rate is the one metrics lines show."""
         gate(obj, self)
+        if isinstance(obj, EMA):
+            obj.accumulating = lambda: self.accumulating
         if self.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
             self.lr_optimizer = obj
 

@@ -29,11 +29,12 @@ from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.cycle import StepCycle
 from ddpkit.run.draws import SampleDraws
 from ddpkit.run.dropout import key_dropout, note_dropout
+from ddpkit.run.ema import save_final
 from ddpkit.run.engine import local_forwards, unwrap, wrap
 from ddpkit.run.evaluate import evaluate
 from ddpkit.run.loader import Loader, make_source
 from ddpkit.run.materialize import WeightsPlan
-from ddpkit.run.models import check_same_model, load_weights, save_weights
+from ddpkit.run.models import check_same_model, load_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
 from ddpkit.run.per_sample import PerSample
@@ -162,9 +163,9 @@ class Run(RunPosition, PerSample):
 
     def track(self, *objects: Any, **named: Any) -> None:
         """Checkpoint these objects with the run: optimizers, LR schedulers, GradScalers, an EMA
-        (``AveragedModel``), anything with ``state_dict()`` and ``load_state_dict()``, or a dict of
-        the loop's own state (``best_val``, ``bad_epochs``: restored in place on resume).
-        Optimizers, schedulers and an EMA's ``update_parameters`` then act once per global batch:
+        (``ddpkit.EMA``, ``AveragedModel``), anything with ``state_dict()`` and ``load_state_dict()``,
+        or a dict of the loop's own state (``best_val``, ``bad_epochs``: restored in place on resume).
+        Optimizers, schedulers and an EMA's update then act once per global batch:
         on earlier micro-batches they wait, and ``zero_grad()`` keeps the gradients."""
         for obj in objects:
             named[self._new_name(None, kind_of(obj))] = obj
@@ -275,8 +276,7 @@ class Run(RunPosition, PerSample):
         if self.cycle.closed:
             return
         self.cycle.finish_run()
-        for name, model in self.models.items() if self.out is not None else ():
-            save_weights(unwrap(model), self.out / f"{name}.pt", self.env)  # all ranks: fsdp gathers
+        save_final(self.models, self.objects, self.out, self.env)  # OUT/NAME.pt: models, then EMAs
         self.close(plot=True)
 
     def close(self, plot: bool = False) -> None:

@@ -69,9 +69,17 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     # The root's parameters are needed again as soon as backward starts: torch's advice (and
     # torchtitan's) is to keep them gathered rather than free and gather them again.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
+    type(model).__deepcopy__ = _no_deepcopy  # FSDP2's class for this model: its message, in one line
     if cfg.broadcast_buffers and any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_broadcast_buffers)
     return model
+
+
+def _no_deepcopy(module: nn.Module, memo: dict) -> None:
+    raise ConfigError(
+        f"a sharded {type(module).__mro__[2].__name__} cannot be deep-copied (engine='fsdp'): for an EMA use "
+        "ema = ddpkit.EMA(model, decay) instead of AveragedModel, and run.track(ema=ema)"
+    )
 
 
 def _broadcast_buffers(module: nn.Module, args: tuple) -> None:

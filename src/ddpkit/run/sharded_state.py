@@ -20,6 +20,7 @@ from torch import nn
 
 from ddpkit.checkpoint.dcp import is_sharded_entry, load_sharded, saved_keys
 from ddpkit.errors import ConfigError
+from ddpkit.run.ema import EMA
 from ddpkit.run.sharded import is_sharded, reshard
 
 
@@ -84,6 +85,8 @@ def sharded_parts(objects: dict[str, Any]) -> dict[str, Any]:
             owner = _owner(name, obj, objects)
             if owner is not None and is_sharded(owner):
                 parts[name] = OptimizerState(owner, obj)
+        elif isinstance(obj, EMA) and obj.sharded:
+            parts[name] = obj  # its averages are DTensors, sharded as the model
     return parts
 
 
@@ -120,11 +123,19 @@ def load_model(path: str | None, name: str, saved: object, module: nn.Module) ->
 
 
 def restore_parts(path: str, saved: dict[str, Any], objects: dict[str, Any]) -> set[str]:
-    """At the loop's first batch: the DCP part of every optimizer that has one; returns the names
+    """At the loop's first batch: the DCP part of every optimizer and EMA that has one; returns the names
     of every part the DCP files hold (their models came back at ``run.setup``). Collective."""
     names = {name for name, value in saved.items() if is_sharded_entry(value)}
     parts: dict[str, Any] = {}
     for name, obj in objects.items():
+        if isinstance(obj, EMA) and (name in names or obj.sharded):
+            if name not in names:
+                raise ConfigError(
+                    f"cannot resume {name!r} (ddpkit.EMA) from {path}: it was saved unsharded (engine torch "
+                    "or native) and this run shards its model; resume it with the engine that wrote it"
+                )
+            parts[name] = obj
+            continue
         if not isinstance(obj, torch.optim.Optimizer):
             continue
         owner = _owner(name, obj, objects)
