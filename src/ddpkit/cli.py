@@ -50,6 +50,7 @@ BENCHMARKS = {
     "fsdp": "ddpkit.bench.fsdp_bench",
     "dropout": "ddpkit.bench.dropout_bench",
     "data": "ddpkit.bench.data_bench",
+    "setup-memory": "ddpkit.bench.setup_memory",
 }
 
 
