@@ -7,7 +7,8 @@ at the end), and validates the model and its EMA with ``run.evaluate`` on a spli
 are uneven (the sharded model's forwards are collectives: ranks with fewer batches must keep in step).
 
 Flags: --out, --engine, --micro-batch N, --kill-at STEP (rank 0 SIGKILLs itself after that
-step), --kill-in-save STEP (rank 0 SIGKILLs itself inside its DCP write of that step), --zero2.
+step), --kill-in-save STEP (rank 0 SIGKILLs itself inside its DCP write of that step), --zero2,
+--skip-block-at STEP (rank 1 alone skips a block's forward at that step).
 """
 
 import argparse
@@ -40,10 +41,11 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block(width) for _ in range(3))
         self.head = nn.Linear(width, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
         x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
+        for index, block in enumerate(self.blocks):
+            if index != skip:
+                x = block(x)
         return self.head(x)
 
 
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--kill-in-save", type=int, default=0)
     parser.add_argument("--zero2", action="store_true")
+    parser.add_argument("--skip-block-at", type=int, default=0, help="rank 1 skips block 1 at this step")
     args = parser.parse_args()
 
     run = ddpkit.Run(
@@ -94,7 +97,8 @@ def main() -> None:
         kill_inside_save(args.kill_in_save)
     for _epoch in range(loader.epoch, EPOCHS):
         for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
+            skip = 1 if run.rank == 1 and run.step == args.skip_block_at else None
+            loss = F.cross_entropy(model(x, skip), y)
             optimizer.zero_grad()
             run.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)

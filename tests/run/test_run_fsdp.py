@@ -125,3 +125,12 @@ def test_killed_on_2_and_resumed_on_3(runs, killed, tmp_path):
         for line in path.read_text().splitlines():
             taken.update(json.loads(line)["indices"])
     assert taken == {i: 3 for i in range(60)}, "3 epochs must use every sample 3 times"
+
+
+def test_a_block_skipped_on_one_rank_is_one_line_on_every_rank(tmp_path):
+    done = _run(tmp_path / "skip", 2, "--skip-block-at", "2", code=2)
+    said = [line for line in done.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert said, done.stderr[-3000:]
+    assert "is at blocks.1's forward while rank 1 is at blocks.2's forward" in said[0], said
+    assert "every rank must call the same sharded modules' forwards in the same order" in said[0]
+    assert "SIGABRT" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -32,6 +32,7 @@ from ddpkit.run import checkpoints, notices
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.draws import SampleDraws
 from ddpkit.run.engine import mark_step, set_grad_sync
+from ddpkit.run.forward_order import agree_before_backward
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.losses import StepLosses, check_differentiable
 from ddpkit.run.micro import Micro, to_device, tokens_in
@@ -166,6 +167,7 @@ class StepCycle:
     def backward(self, loss: torch.Tensor, reduction: str, count: Any) -> None:
         """``run.backward``: the micro-batch's loss scaled to its share of the step (losses.py)."""
         check_differentiable(loss, self.models)
+        agree_before_backward(list(self.models.values()))  # fsdp over gloo: every rank's forwards done
         micro = self.micro
         if micro is None:  # outside a run.loader loop: a plain backward
             self.gate.has_backward = True

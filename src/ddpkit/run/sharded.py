@@ -24,6 +24,7 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.sync import broadcast_coalesced
 from ddpkit.run.config import EngineConfig
+from ddpkit.run.forward_order import watch_forward_order
 
 # The default policy: a module gets its own fully_shard when it holds at least MIN_SHARE of the
 # model's parameters; one holding more than MAX_SHARE (a backbone wrapping everything) is looked
@@ -61,7 +62,8 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     # offload: parameters, gradients and optimizer state in pinned host memory, copied to the
     # GPU for each group's forward and backward.
     offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
-    for module in groups(model, cfg.shard_modules):
+    sharded = groups(model, cfg.shard_modules)
+    for module in sharded:
         fully_shard(
             module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
             offload_policy=offload,
@@ -70,6 +72,7 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     # torchtitan's) is to keep them gathered rather than free and gather them again.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     type(model).__deepcopy__ = _no_deepcopy  # FSDP2's class for this model: its message, in one line
+    watch_forward_order(model, sharded, env)  # over gloo: a rank skipping a group is one line
     if cfg.broadcast_buffers and any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_broadcast_buffers)
     return model
