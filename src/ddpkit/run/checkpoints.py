@@ -30,9 +30,11 @@ from ddpkit.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from ddpkit.checkpoint.background import BackgroundWriter, host_copy
 from ddpkit.checkpoint.dcp import SHARDED, save_sharded
 from ddpkit.checkpoint.lock import OutLock
 from ddpkit.checkpoint.manifest import verify_share
+from ddpkit.checkpoint.store import begin_save, commit_save
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
@@ -209,12 +211,15 @@ def save(
     env: DistEnv,
     cfg: CheckpointConfig,
     finished: dict | None,
+    writer: BackgroundWriter | None = None,
 ) -> Path | None:
     """Checkpoint every registered object at ``step``. Collective: every rank calls it, rank 0 writes.
 
     An object whose state differs by rank (``per_rank_state``: a stream's position) is saved as the
     list of every rank's ``state_dict()``, gathered with the generators' states. ``finished``
-    marks the final checkpoint with the command that finished it (``command``)."""
+    marks the final checkpoint with the command that finished it (``command``). With ``writer``
+    (``async_save``), rank 0 returns once a host copy of the state is made; the writer's thread
+    writes it (checkpoint/background.py)."""
     own = {name: obj.state_dict() for name, obj in objects.items() if getattr(obj, "per_rank_state", False)}
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, {"rng": capture_rng(), "own": own})
@@ -238,4 +243,10 @@ def save(
     }
     if shards:
         return save_sharded(directory, step, state, shards, True, cfg.keep_last)
-    return save_checkpoint(directory, step, state, keep_last=cfg.keep_last)
+    if writer is None:
+        return save_checkpoint(directory, step, state, keep_last=cfg.keep_last)
+    writer.wait()  # one write at a time: begin_save clears what an unfinished one left
+    final, tmp = begin_save(directory, step, state, cfg.keep_last)
+    copied = host_copy(state)
+    writer.submit(lambda: commit_save(final, tmp, step, copied, cfg.keep_last))
+    return final

@@ -85,12 +85,15 @@ class CheckpointConfig:
         preempt_signals: signals that make every rank finish its step, checkpoint it (also when
             save_every is 0) and exit with 128 + the signal's number, e.g. ``"TERM,INT,USR1"`` for
             SLURM's ``--signal=USR1@90``; a second signal exits at once. ``""`` leaves them alone.
+        async_save: the step waits only for a copy of the state in host memory, and a thread
+            writes it (checkpoint/background.py); the torch and native engines.
     """
 
     save_every: int = 0
     keep_last: int = 2
     resume: str = "auto"
     preempt_signals: str = "TERM,INT"
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if self.save_every < 0:
@@ -207,7 +210,13 @@ def split_options(options: dict[str, Any]) -> tuple:
     unknown = sorted(set(options) - set(owners))
     if unknown:
         raise ConfigError(f"ddpkit.Run got unknown options {unknown}; known ones are {sorted(owners)}")
-    return tuple(cls(**{k: v for k, v in options.items() if owners[k] is cls}) for cls in COMPONENTS)
+    configs = tuple(cls(**{k: v for k, v in options.items() if owners[k] is cls}) for cls in COMPONENTS)
+    if options.get("async_save") and options.get("engine") == "fsdp":
+        raise ConfigError(
+            "async_save=True is for the torch and native engines; engine='fsdp' saves through DCP, each "
+            "rank writing its shards: drop async_save, or use engine='torch'"
+        )
+    return configs
 
 
 def check_split(global_batch: int, world_size: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints, notices
 from ddpkit.run.config import CheckpointConfig
@@ -69,6 +70,7 @@ class StepCycle:
         self.objects, self.models, self.out, self.ckpt_cfg, self.steps = objects, models, out, ckpt_cfg, steps
         self.step = self.saved_step = session.saved["step"] if session.saved is not None else 0
         self.saves: tuple[int, Any] = (0, None)  # checkpoints this process wrote, and the last
+        self.writer = BackgroundWriter() if ckpt_cfg.async_save else None  # rank 0's, async_save
         self.epoch = 0  # the epoch of the last step begun
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
@@ -321,7 +323,7 @@ class StepCycle:
         self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
         finished = checkpoints.command(self.steps) if final else None
         path = checkpoints.save(
-            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg, finished
+            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
         )
         if path is not None:  # quiet: one line at the run's end says how many and the last
             log.debug("saved %s", path)
@@ -333,6 +335,8 @@ class StepCycle:
         """``run.finish``: close the last step as the run's last (its log line and checkpoint)."""
         if self.started:
             self.finish(last=True)
+        if self.writer is not None:
+            self.writer.wait()  # the last checkpoint has landed before the run says it finished
         self.restore()  # a resumed run that had nothing left to do still checks what it resumed
         if self.saves[0]:
             log.info("%d checkpoint(s) written, the last %s", *self.saves)
@@ -352,6 +356,8 @@ class StepCycle:
             if self.replicas.pending:
                 self.replicas.finish()
             self.checkpoint()
+        if self.writer is not None:
+            self.writer.wait()  # the checkpoint has landed before the process exits
         self.monitor.flush()  # written already when the step was checkpointed just now
         self.close()
         exit_preempted(number, self.step, self.out is not None, self.env.is_rank0)

@@ -1,0 +1,63 @@
+"""A ddpkit.Run loop with dropout that checkpoints every 2 steps, synchronously or with
+``async_save=True``; tests/run/test_run_async_save.py runs it under `ddpkit run`.
+
+Flags: --out, --async-save, --die-in-write STEP (rank 0 SIGKILLs itself from the writing thread,
+inside its write of that step's checkpoint, once state.pt is written and before the rename).
+"""
+
+import argparse
+import os
+import signal
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit.checkpoint import store
+
+
+def die_in_write(step: int) -> None:
+    """The writing thread kills its process inside ``step``'s commit, before the rename."""
+    write = store._write
+
+    def dying(tmp, at, *args, **kwargs):
+        write(tmp, at, *args, **kwargs)
+        if at == step:
+            assert threading.current_thread().name == "ddpkit-checkpoint-writer"
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    store._write = dying
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--die-in-write", type=int, default=0)
+    args = parser.parse_args()
+
+    run = ddpkit.Run(
+        out=args.out, global_batch=8, save_every=2, keep_last=3, log_every=1, progress=False,
+        async_save=args.async_save,
+    )  # fmt: skip
+    model = run.setup(nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run.track(optimizer)
+    if args.die_in_write and run.rank == 0:
+        die_in_write(args.die_in_write)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 6, generator=gen)
+    loader = run.loader(TensorDataset(x, x.sum(1, keepdim=True).sin()))
+    for _epoch in range(loader.epoch, 2):
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            run.backward(F.mse_loss(model(inputs), targets))
+            optimizer.step()
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
