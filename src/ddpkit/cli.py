@@ -51,6 +51,7 @@ BENCHMARKS = {
     "dropout": "ddpkit.bench.dropout_bench",
     "data": "ddpkit.bench.data_bench",
     "setup-memory": "ddpkit.bench.setup_memory",
+    "checkpoint": "ddpkit.bench.checkpoint_bench",
 }
 
 

@@ -58,7 +58,7 @@ def test_a_good_checkpoint(run, capsys):
         "  step            200",
         f"  created         {manifest['created']}",
         f"  ddpkit_version  {ddpkit.__version__}",
-        f"  state.pt        {size:>10}  sha256 ok",
+        f"  state.pt        {size:>10}  xxh3_128 ok",
         "  state: 4 keys: step, model, optimizer, sampler",
     ):
         assert line + "\n" in out, line
@@ -76,8 +76,8 @@ def test_a_directory_of_checkpoints_with_one_corrupt(run, capsys):
         out = capsys.readouterr().out
         assert out.startswith(f"2 checkpoints in {run / 'checkpoints'}\n")
         _, first, second = out.split("\n\ncheckpoint ")
-        assert "MISMATCH (sha256 mismatch in state.pt)" in first and "state not loaded" in first
-        assert "sha256 ok" in second and "178 parameters" in second
+        assert "MISMATCH (xxh3_128 mismatch in state.pt)" in first and "state not loaded" in first
+        assert "xxh3_128 ok" in second and "178 parameters" in second
 
 
 def test_a_truncated_checkpoint(run, capsys):

@@ -25,13 +25,13 @@ def test_the_ranks_shares_cover_every_file_once(tmp_path):
     manifest = read_manifest(path)
     for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):  # as a sharded checkpoint lists them
         (path / name).write_bytes(name.encode())
-        manifest["files"][name] = {"sha256": file_entry(path / name)["sha256"], "bytes": len(name)}
+        manifest["files"][name] = {"xxh3_128": file_entry(path / name)["xxh3_128"], "bytes": len(name)}
     (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     (path / "__1_0.distcp").write_bytes(b"__1_0.distcX")  # the same size, another hash
     shares = [verify_share(path, rank, 3) for rank in range(3)]
     # Sorted (.metadata, __0_0, __1_0, state.pt), every 3rd from the rank: rank 2 holds __1_0.
     assert [len(found) for found in shares] == [0, 0, 1]
-    assert shares[2] == ["sha256 mismatch in __1_0.distcp"]
+    assert shares[2] == ["xxh3_128 mismatch in __1_0.distcp"]
     assert verify_checkpoint(path) == shares[2]  # the same finding as one rank hashing everything
 
 

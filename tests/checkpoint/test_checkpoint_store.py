@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo  # noqa: F401 - see below
+import xxhash
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -117,8 +118,24 @@ def test_manifest_describes_the_files(tmp_path):
     assert manifest["format"] == 1 and manifest["step"] == 12
     assert manifest["ddpkit_version"] == ddpkit.__version__
     assert datetime.fromisoformat(manifest["created"]).tzinfo is not None
-    assert manifest["files"] == {"state.pt": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
+    assert manifest["files"] == {
+        "state.pt": {"xxh3_128": xxhash.xxh3_128(data).hexdigest(), "bytes": len(data)}
+    }
     assert verify_checkpoint(path) == []
+
+
+def test_a_checkpoint_with_the_earlier_sha256_manifest_still_verifies_and_loads(tmp_path):
+    # Checkpoints written before the switch to xxh3_128 list sha256 digests: the same check.
+    state = make_state()
+    path = save_checkpoint(tmp_path, 3, state)
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = (path / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_checkpoint(path) == []
+    assert_same(state, load_checkpoint(path))
+    flip_byte(path)
+    assert verify_checkpoint(path) == ["sha256 mismatch in state.pt"]
 
 
 def test_loaded_state_continues_training_identically(tmp_path):
@@ -152,7 +169,7 @@ def test_map_location_is_honoured(tmp_path):
     ("corrupt", "expected"),
     [
         (truncate, "size mismatch in state.pt"),
-        (flip_byte, "sha256 mismatch in state.pt"),
+        (flip_byte, "xxh3_128 mismatch in state.pt"),
         (lambda p: (p / "state.pt").unlink(), "missing state.pt"),
         (lambda p: (p / "manifest.json").unlink(), "missing manifest.json"),
         (lambda p: (p / "manifest.json").write_text("{not json"), "unreadable manifest.json"),
@@ -169,7 +186,7 @@ def test_verify_reports_damage(tmp_path, corrupt, expected):
 
 
 @pytest.mark.parametrize(
-    ("corrupt", "problem"), [(truncate, "size mismatch"), (flip_byte, "sha256 mismatch")]
+    ("corrupt", "problem"), [(truncate, "size mismatch"), (flip_byte, "xxh3_128 mismatch")]
 )
 def test_load_latest_warns_and_falls_back(tmp_path, caplog, corrupt, problem):
     states = {step: make_state(step=step, seed=step) for step in (1, 2, 3)}
@@ -188,7 +205,7 @@ def test_load_latest_warns_and_falls_back(tmp_path, caplog, corrupt, problem):
 def test_every_corrupt_checkpoint_is_an_error(tmp_path):
     for step in (1, 2):
         flip_byte(save_checkpoint(tmp_path, step, make_state()))
-    with pytest.raises(CheckpointError, match=r"no good checkpoint.*step-00000002 \(sha256.*step-00000001"):
+    with pytest.raises(CheckpointError, match=r"no good checkpoint.*step-00000002 \(xxh3_128.*step-00000001"):
         load_latest(tmp_path)
     with pytest.raises(CheckpointError, match="--resume never"):
         resolve_resume(tmp_path, "auto")
@@ -371,7 +388,7 @@ def test_resolve_resume(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ddpkit.checkpoint"):
         assert resolve_resume(ckpts, "auto") == first
     assert (
-        f"checkpoint {second} is corrupt (sha256 mismatch in state.pt); falling back to {first}"
+        f"checkpoint {second} is corrupt (xxh3_128 mismatch in state.pt); falling back to {first}"
         in caplog.text
     )
 
@@ -383,7 +400,7 @@ def test_resolve_resume(tmp_path, caplog):
             lambda d: str(d / "step-00000099"),
             r"step-00000099' does not exist; pass a checkpoint directory, auto",
         ),
-        (lambda d: str(d / "step-00000002"), r"step-00000002' is not a good checkpoint \(sha256 mismatch"),
+        (lambda d: str(d / "step-00000002"), r"step-00000002' is not a good checkpoint \(xxh3_128 mismatch"),
         (lambda d: str(d), r"missing manifest.json\); it holds checkpoints, such as .*step-00000002"),
     ],
 )

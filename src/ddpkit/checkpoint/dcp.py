@@ -6,7 +6,7 @@ A sharded checkpoint folder::
     step-00000100/   state.pt  (rank 0: step, generators, loader, every unsharded object;
                                 each sharded entry is the marker SHARDED)
                      .metadata  __0_0.distcp  __1_0.distcp ...  (DCP: every rank's shards)
-                     manifest.json  (sha256 of all of them, written last)
+                     manifest.json  (digests of all of them, written last)
 
 Rank 0 makes the hidden temporary folder and broadcasts its name, every rank writes its shards
 into it with DCP (``sync_files``: each file fsynced) and hashes its own files, and once DCP's own

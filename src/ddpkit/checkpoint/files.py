@@ -16,41 +16,28 @@ import sys
 from pathlib import Path
 
 import torch
+import xxhash
 
 _AT_FDCWD = -100  # Linux: resolve relative paths against the working directory
 _RENAME_EXCHANGE = 2  # from <linux/fs.h>
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks so a large checkpoint never sits in memory twice."""
-    digest = hashlib.sha256()
+# The digest new manifests record: xxh3_128, a checksum (not a cryptographic hash; the manifest
+# guards against torn and corrupted files, not against an attacker) at 18 GB/s on this CPU
+# against 1.6 GB/s for sha256, so hashing a checkpoint again costs about what reading it does.
+# Manifests written before it hold sha256, which is still verified.
+DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+DIGEST = "xxh3_128"
+
+
+def digest_file(path: Path, kind: str = DIGEST, chunk_bytes: int = 1 << 24) -> str:
+    """Hex digest (``kind``: ``xxh3_128`` or ``sha256``) of a file, read in chunks so a large
+    checkpoint never sits in memory twice."""
+    digest = DIGESTS[kind]()
     with open(path, "rb") as f:
         while block := f.read(chunk_bytes):
             digest.update(block)
     return digest.hexdigest()
-
-
-class HashingWriter:
-    """A binary file that hashes what is written through it: a written file's sha256 and size
-    without reading it back (``torch.save`` writes a state file through one)."""
-
-    def __init__(self, f) -> None:
-        self.f, self.digest, self.size = f, hashlib.sha256(), 0
-
-    def write(self, block: bytes) -> int:
-        self.digest.update(block)
-        self.size += len(block)
-        return self.f.write(block)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def entry(self) -> dict:
-        """The manifest's entry for the file written."""
-        return {"sha256": self.digest.hexdigest(), "bytes": self.size}
-
-    def __getattr__(self, name: str):  # tell(), fileno(), ...: the file's own
-        return getattr(self.f, name)
 
 
 def fsync_dir(path: Path) -> None:

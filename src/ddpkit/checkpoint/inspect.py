@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ddpkit.checkpoint.files import sha256_file
+from ddpkit.checkpoint.files import DIGEST, DIGESTS, digest_file
 from ddpkit.checkpoint.manifest import (
     MANIFEST,
     STATE,
@@ -86,7 +86,8 @@ def inspect_checkpoint(path: Path) -> int:
     checked = verify_files(path, manifest)
     for name, entry in manifest["files"].items():
         problem = checked[name]
-        status = "sha256 ok" if problem is None else f"MISMATCH ({problem})"
+        kind = next(k for k in DIGESTS if k in entry)
+        status = f"{kind} ok" if problem is None else f"MISMATCH ({problem})"
         print(f"  {name:<15} {format_bytes(entry['bytes']):>10}  {status}")
     problems = [p for p in checked.values() if p] + manifest_problems(path, manifest)
     for problem in problems:
@@ -98,10 +99,10 @@ def inspect_checkpoint(path: Path) -> int:
 
 
 def inspect_file(path: Path) -> int:
-    """Print a lone ``.pt`` file's size, sha256 (nothing to check it against) and state summary."""
+    """Print a lone ``.pt`` file's size, digest (nothing to check it against) and state summary."""
     print(f"file {path}")
     print(f"  {'size':<15} {format_bytes(path.stat().st_size)}")
-    print(f"  {'sha256':<15} {sha256_file(path)} (no manifest to check it against)")
+    print(f"  {DIGEST:<15} {digest_file(path)} (no manifest to check it against)")
     return _print_state(path)
 
 

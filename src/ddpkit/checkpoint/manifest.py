@@ -1,4 +1,5 @@
-"""The manifest that makes a checkpoint checkable: what files it holds, their sizes and sha256.
+"""The manifest that makes a checkpoint checkable: what files it holds, their sizes and digests
+(xxh3_128; sha256 in manifests written before it, still verified: checkpoint/files.py).
 
 ``manifest.json`` is written last, so a checkpoint directory without one never finished; a size
 or hash that disagrees with it means the bytes changed after the save (truncated copy, bad disk).
@@ -12,7 +13,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ddpkit.checkpoint.files import sha256_file
+from ddpkit.checkpoint.files import DIGEST, DIGESTS, digest_file
 from ddpkit.version import __version__
 
 FORMAT = 1
@@ -34,7 +35,7 @@ def step_of(path: Path) -> int | None:
 
 def write_manifest(directory: Path, step: int, names: list[str], known: dict | None = None) -> dict:
     """Write (and fsync) the manifest of the files ``names`` in ``directory``: the entries in
-    ``known`` (name -> sha256 and size, hashed by whoever wrote the file, as it was written), and
+    ``known`` (name -> digest and size, hashed by the rank that wrote the file), and
     for any other file its hash read now."""
     known = known or {}
     files = {name: known.get(name) or file_entry(directory / name) for name in names}
@@ -53,8 +54,8 @@ def write_manifest(directory: Path, step: int, names: list[str], known: dict | N
 
 
 def file_entry(path: Path) -> dict:
-    """A file's manifest entry, read from disk: its sha256 and size."""
-    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    """A file's manifest entry, read from disk: its digest and size."""
+    return {DIGEST: digest_file(path), "bytes": path.stat().st_size}
 
 
 def read_manifest(directory: Path) -> dict:
@@ -75,7 +76,7 @@ def read_manifest(directory: Path) -> dict:
         raise ValueError(f"expected a dict with format {FORMAT}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(_entry_ok(name, e) for name, e in files.items()):
-        raise ValueError('"files" must map plain file names to {"sha256": str, "bytes": int}')
+        raise ValueError('"files" must map plain file names to {"xxh3_128" (or "sha256"): str, "bytes": int}')
     return manifest
 
 
@@ -85,7 +86,7 @@ def _entry_ok(name: object, entry: object) -> bool:
     return (
         plain
         and isinstance(entry, dict)
-        and isinstance(entry.get("sha256"), str)
+        and any(isinstance(entry.get(kind), str) for kind in DIGESTS)
         and isinstance(entry.get("bytes"), int)
     )
 
@@ -97,7 +98,7 @@ def verify_checkpoint(path: str | Path) -> list[str]:
         path: a checkpoint directory such as ``OUT/checkpoints/step-00000100``.
 
     Returns:
-        The problems found, each a short phrase ("sha256 mismatch in state.pt"); empty when good.
+        The problems found, each a short phrase ("xxh3_128 mismatch in state.pt"); empty when good.
     """
     path = Path(path)
     if not path.is_dir():
@@ -146,7 +147,7 @@ def manifest_problems(path: Path, manifest: dict) -> list[str]:
 
 
 def verify_files(path: Path, manifest: dict) -> dict[str, str | None]:
-    """Each file the manifest lists, with its problem, or None when its size and sha256 match.
+    """Each file the manifest lists, with its problem, or None when its size and digest match.
 
     Args:
         path: the checkpoint directory.
@@ -169,10 +170,11 @@ def _check_size(path: Path, entry: dict) -> str | None:
 def _check_file(path: Path, entry: dict) -> str | None:
     if (problem := _check_size(path, entry)) is not None:
         return problem
+    kind = next(k for k in DIGESTS if k in entry)
     try:
-        digest = sha256_file(path)
+        digest = digest_file(path, kind)
     except OSError as exc:
         return f"cannot read {path.name} ({exc.strerror or exc})"
-    if digest != entry["sha256"]:
-        return f"sha256 mismatch in {path.name}"
+    if digest != entry[kind]:
+        return f"{kind} mismatch in {path.name}"
     return None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.checkpoint.files import HashingWriter, exchange, fsync_dir, raise_if_disk_full, state_bytes
+from ddpkit.checkpoint.files import exchange, fsync_dir, raise_if_disk_full, state_bytes
 from ddpkit.checkpoint.loadable import weights_only_problem, weights_only_reason
 from ddpkit.checkpoint.manifest import (
     STATE,
@@ -123,13 +123,14 @@ def _temp_path(final: Path, kind: str = "") -> Path:
 
 
 def _write(tmp: Path, step: int, state: dict, files: tuple, known: dict) -> None:
+    # Written plainly, then hashed from the page cache with xxh3_128 (0.1 s for 356 MB): cheaper
+    # than hashing each block with sha256 as torch.save hands it over (1.6 GB/s, in Python).
     with open(tmp / STATE, "wb") as f:
-        hashed = HashingWriter(f)  # the state's sha256 as it is written: no second pass over it
-        torch.save(state, hashed)
+        torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     _check_loadable(tmp / STATE, step)
-    write_manifest(tmp, step, [STATE, *files], known | {STATE: hashed.entry()})
+    write_manifest(tmp, step, [STATE, *files], known)
     fsync_dir(tmp)
 
 

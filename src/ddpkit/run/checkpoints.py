@@ -6,7 +6,7 @@ A checkpoint is ``{"step", "world_size", "rng": [one dict per rank], "state": {n
 / ``load_state_dict()``; ``frozen`` holds each module's parameters without ``requires_grad``
 (a backbone unfrozen at epoch 1 is trainable in a run resumed at epoch 2, whose loop never runs
 that line again). Rank 0 writes it
-atomically with a sha256 manifest (``checkpoint/store.py``); every rank loads the same one.
+atomically with a manifest of digests (``checkpoint/store.py``); every rank loads the same one.
 """
 
 from __future__ import annotations
