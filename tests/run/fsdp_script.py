@@ -8,7 +8,7 @@ are uneven (the sharded model's forwards are collectives: ranks with fewer batch
 
 Flags: --out, --engine, --micro-batch N, --kill-at STEP (rank 0 SIGKILLs itself after that
 step), --kill-in-save STEP (rank 0 SIGKILLs itself inside its DCP write of that step), --zero2,
---skip-block-at STEP (rank 1 alone skips a block's forward at that step).
+--skip-block-at STEP (rank 1 alone skips a block's forward at that step), --sharded-save.
 """
 
 import argparse
@@ -77,13 +77,14 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--kill-in-save", type=int, default=0)
     parser.add_argument("--zero2", action="store_true")
+    parser.add_argument("--sharded-save", action="store_true", help="the full-copy engines save through DCP")
     parser.add_argument("--skip-block-at", type=int, default=0, help="rank 1 skips block 1 at this step")
     args = parser.parse_args()
 
     run = ddpkit.Run(
         out=args.out, engine=args.engine, global_batch=12, micro_batch=args.micro_batch, save_every=2,
         log_every=1, progress=False, grad_clip=1.0, reshard_after_forward=not args.zero2, check_every=3,
-        log_samples=True,
+        log_samples=True, sharded_save=True if args.sharded_save else None,
     )  # fmt: skip
     model = run.setup(Net())
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)

@@ -41,7 +41,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.run import notices
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.engine import unwrap
-from ddpkit.run.sharded_state import restore_parts, sharded_parts
+from ddpkit.run.sharded_state import restore_parts, sharded_parts, spreads
 
 log = logging.getLogger(__name__)
 OPTIONAL = "ddpkit_best"  # run.save_best's part (run/best.py), which checkpoints before it lack
@@ -223,7 +223,8 @@ def save(
     own = {name: obj.state_dict() for name, obj in objects.items() if getattr(obj, "per_rank_state", False)}
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, {"rng": capture_rng(), "own": own})
-    shards = sharded_parts(objects)  # a sharded model and its optimizers: every rank writes them
+    spread = spreads(objects, env.world_size, cfg.sharded_save, cfg.async_save)
+    shards = sharded_parts(objects, spread)  # a sharded model and its optimizers: every rank writes them
     if not env.is_rank0:
         return save_sharded(directory, step, None, shards, False, cfg.keep_last) if shards else None
     parts = {name: SHARDED if name in shards else [mine["own"][name] for mine in everyone] if name in own

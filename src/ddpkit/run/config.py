@@ -87,6 +87,8 @@ class CheckpointConfig:
             SLURM's ``--signal=USR1@90``; a second signal exits at once. ``""`` leaves them alone.
         async_save: the step waits only for a copy of the state in host memory, and a thread
             writes it (checkpoint/background.py); the torch and native engines.
+        sharded_save: the torch and native engines save models and optimizers through DCP, each
+            rank writing about 1/N of them; None: from 256 MiB of them on 2+ ranks (fsdp always).
     """
 
     save_every: int = 0
@@ -94,12 +96,18 @@ class CheckpointConfig:
     resume: str = "auto"
     preempt_signals: str = "TERM,INT"
     async_save: bool = False
+    sharded_save: bool | None = None
 
     def __post_init__(self) -> None:
         if self.save_every < 0:
             raise ConfigError(f"save_every={self.save_every} is below 0; use 0 to write no checkpoints")
         if self.keep_last < 1:
             raise ConfigError(f"keep_last={self.keep_last} is below 1; keep at least one checkpoint")
+        if self.async_save and self.sharded_save:
+            raise ConfigError(
+                "async_save=True writes rank 0's state.pt in the background; sharded_save=True writes "
+                "through DCP on every rank: choose one"
+            )
         if not self.resume:
             raise ConfigError("resume='' names nothing; use 'auto', 'never' or a checkpoint path")
         for name in filter(None, self.preempt_signals.split(",")):

@@ -71,10 +71,16 @@ def _ungated(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         optimizer.ddpkit_inner = False
 
 
-def sharded_parts(objects: dict[str, Any]) -> dict[str, Any]:
+def sharded_parts(objects: dict[str, Any], spread: bool = False) -> dict[str, Any]:
     """name -> Stateful for every sharded model and every optimizer over one's parameters; {} when
-    no model is sharded (then the whole checkpoint is rank 0's state.pt, as ever)."""
-    models = {name: obj for name, obj in objects.items() if isinstance(obj, nn.Module) and is_sharded(obj)}
+    no model is sharded (then the whole checkpoint is rank 0's state.pt, as ever). ``spread``:
+    every model, full copies too, so DCP spreads the writing of their tensors over the ranks
+    (its planner gives each replicated tensor to one rank: about S/N a rank)."""
+    models = {
+        name: obj
+        for name, obj in objects.items()
+        if isinstance(obj, nn.Module) and (is_sharded(obj) or spread) and not isinstance(obj, EMA)
+    }
     if not models:
         return {}
     for module in models.values():
@@ -83,7 +89,7 @@ def sharded_parts(objects: dict[str, Any]) -> dict[str, Any]:
     for name, obj in objects.items():
         if isinstance(obj, torch.optim.Optimizer):
             owner = _owner(name, obj, objects)
-            if owner is not None and is_sharded(owner):
+            if owner is not None and (is_sharded(owner) or spread):
                 parts[name] = OptimizerState(owner, obj)
         elif isinstance(obj, EMA) and obj.sharded:
             parts[name] = obj  # its averages are DTensors, sharded as the model
@@ -149,3 +155,24 @@ def restore_parts(path: str, saved: dict[str, Any], objects: dict[str, Any]) -> 
     if parts:
         load_sharded(Path(path), parts)
     return names
+
+
+SPREAD_BYTES = 256 * 2**20  # a full-copy checkpoint from this size on goes through DCP (sharded_save=None)
+
+
+def spreads(objects: dict[str, Any], world_size: int, sharded_save: bool | None, async_save: bool) -> bool:
+    """Whether a full-copy run's models and optimizers are saved through DCP, each rank writing
+    about S/N: as ``sharded_save`` says, or by default on 2+ ranks (without ``async_save``, which
+    writes rank 0's state.pt) once models and optimizer state reach SPREAD_BYTES; below that
+    DCP's planning costs more than it spreads. The same answer on every rank."""
+    if sharded_save is not None:
+        return sharded_save
+    if world_size == 1 or async_save:
+        return False
+    tensors = [t for obj in objects.values() if isinstance(obj, nn.Module) for t in obj.state_dict().values()]
+    for obj in objects.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            tensors += [
+                v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            ]
+    return sum(t.numel() * t.element_size() for t in tensors) >= SPREAD_BYTES
