@@ -69,11 +69,11 @@ def _plain_save(model, optimizer, folder: Path, engine: str) -> None:
 
 def _session(out: str, engine: str, async_save: bool) -> tuple:
     """A Run with the GPT and AdamW; its model, optimizer and a function for one step."""
-    run = ddpkit.Run(out=out, engine=engine, global_batch=8, progress=False, async_save=async_save)
+    run = ddpkit.Run(out=out, engine=engine, global_batch=12, progress=False, async_save=async_save)
     model = run.setup(_gpt())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run.track(optimizer)
-    data = torch.randint(0, 128, (8 * 64, 65), generator=torch.Generator().manual_seed(0))
+    data = torch.randint(0, 128, (12 * 64, 65), generator=torch.Generator().manual_seed(0))
     batches = iter(run.loader(torch.utils.data.TensorDataset(data)))
 
     def step() -> None:
