@@ -18,7 +18,6 @@ States of one process's run (``step`` counts optimizer steps begun)::
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch import nn
 from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints, notices
+from ddpkit.run.boundary import StepBoundaries
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.draws import SampleDraws
 from ddpkit.run.engine import mark_step, set_grad_sync
@@ -39,14 +39,12 @@ from ddpkit.run.losses import StepLosses, check_differentiable
 from ddpkit.run.micro import Micro, to_device, tokens_in
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
-from ddpkit.run.preempt import Preemption, exit_preempted
+from ddpkit.run.preempt import Preemption
 from ddpkit.run.replicas import ReplicaCheck
 from ddpkit.run.session import Session
 
-log = logging.getLogger(__name__)
 
-
-class StepCycle:
+class StepCycle(StepBoundaries):
     """One rank's position in the run (step, epoch, micro-batch, in or between steps) and what
     happens at its boundaries.
 
@@ -230,134 +228,3 @@ class StepCycle:
                 self.finish()  # the last step's boundary first: it writes this checkpoint
             if self.save_now:
                 self.checkpoint()
-
-    # --- step boundaries -----------------------------------------------------------------------
-
-    def close_step(self) -> None:
-        """The open step's last micro-batch is done: its position moves on, its boundary waits."""
-        self.gate.check_stepped(self.step, self.cut)
-        self.held.restore()  # a loop left mid-step: the gradients are the user's again
-        self.draws.leave()
-        self.gate.scaler.update()
-        self.source.advance_to(self.micro.consumed)
-        self.monitor.samples_taken(self.step, self.indices)
-        self.monitor.step_ended()
-        self.micro, self.open, self.unsettled = None, False, True
-        mark_step(self.models.values(), None)
-        self.gate.accumulating = self.gate.has_backward = False
-
-    def finish(self, last: bool = False) -> None:
-        """The boundary after the last step (its log line, fingerprint check, checkpoint, the
-        preemption agreement), closing it first if it is open.
-
-        After an epoch's last step the boundary comes at the next step's start (or the run's
-        end), so what the loop did after the epoch (validation, a plateau scheduler, early
-        stopping, run.log) is in that step's checkpoint, neither lost nor repeated on resume."""
-        if self.open:
-            self.close_step()
-        ended, self.unsettled = self.unsettled, False
-        last = last or (self.steps is not None and self.step >= self.steps)
-        if not ended and not last:
-            return
-        if last or self.save_now or self._logs_or_saves():
-            self.gate.check_norms()  # nothing non-finite reaches a log line or a checkpoint
-        # The signal rides on the log gather, which is read at the next step's end: every rank
-        # then reads the same maximum, so all stop at that step.
-        logged = self.monitor.step_done(self.step, ended, last, self._extra, self.preemption.received)
-        number = 0
-        if logged is not None:
-            record, number = logged
-            self._pace(record)
-        if last and self.outside:
-            self.flush_between()  # what was logged after the last epoch, before the last checkpoint
-        if self.replicas.pending:
-            self.replicas.finish()
-        every = self.ckpt_cfg.save_every
-        due = self.save_now or (every > 0 and (self.step % every == 0 or last))
-        save = due and (self.saved_step != self.step or (last and not self.final))
-        check_every = self.monitor.check_every
-        if check_every and ended and (self.step % check_every == 0 or last):
-            self.replicas.start(self.step)
-            if last or save:  # nothing follows to finish it; a checkpoint holds checked replicas only
-                self.replicas.finish()
-        if save:
-            self.checkpoint(final=last)
-        if not ended or last:
-            return
-        if not number and self.monitor.logged_step != self.step:  # else it rides on this step's gather
-            number = self.preemption.agreed(self.step)
-        if number:
-            self._preempted(number)
-
-    def _logs_or_saves(self) -> bool:
-        every = self.ckpt_cfg.save_every
-        return self.step % self.monitor.every == 0 or self.step == 1 or (every > 0 and self.step % every == 0)
-
-    def flush_between(self) -> None:
-        """Write what run.log got between steps as a line of the last step's. Collective."""
-        self.monitor.flush_between(self.step, {"epoch": self.epoch})
-
-    def _pace(self, record: dict) -> None:
-        # From the gathered median step, so every rank computes the same pace for the agreement.
-        if record["step_s"] > 0:
-            self.monitor.pace(record["step_s"])
-            self.preemption.pace(record["step_s"], self.monitor.every)
-
-    def _extra(self) -> dict:
-        extra = {"epoch": self.source.epoch if self.source is not None else 0}
-        # The rate the step ran at: a scheduler stepped after the optimizer has set the next one.
-        lr = {"lr": self.gate.last_lr} if self.gate.last_lr is not None else {}
-        return extra | {"skipped_steps": self.gate.skipped_steps} | lr
-
-    def checkpoint(self, final: bool = False) -> None:
-        """Write every registered object's state at this step (``final``: marked as the command's
-        finished run, which the same command then leaves alone). Collective."""
-        if self.out is None:
-            raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
-        self.gate.check_norms()
-        self.save_now, self.saved_step, self.final = False, self.step, final
-        # The step's log lines first: a run killed after this checkpoint resumes after them.
-        self.monitor.flush()
-        if self.outside:
-            self.flush_between()
-        self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
-        finished = checkpoints.command(self.steps) if final else None
-        path = checkpoints.save(
-            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
-        )
-        if path is not None:  # quiet: one line at the run's end says how many and the last
-            log.debug("saved %s", path)
-            self.saves = (self.saves[0] + 1, path)
-
-    # --- the end -------------------------------------------------------------------------------
-
-    def finish_run(self) -> None:
-        """``run.finish``: close the last step as the run's last (its log line and checkpoint)."""
-        if self.started:
-            self.finish(last=True)
-        if self.writer is not None:
-            self.writer.wait()  # the last checkpoint has landed before the run says it finished
-        self.restore()  # a resumed run that had nothing left to do still checks what it resumed
-        if self.saves[0]:
-            log.info("%d checkpoint(s) written, the last %s", *self.saves)
-
-    def close(self, plot: bool = False) -> None:
-        """Stop the diagnostics and leave the process group without another collective."""
-        if self.closed:
-            return
-        self.closed = True
-        self.preemption.restore()
-        self.monitor.close(plot)
-        self.session.leave()
-
-    def _preempted(self, number: int) -> None:
-        """Every rank, once all agree a signal came: checkpoint this step, leave, and exit."""
-        if self.out is not None and self.saved_step != self.step:
-            if self.replicas.pending:
-                self.replicas.finish()
-            self.checkpoint()
-        if self.writer is not None:
-            self.writer.wait()  # the checkpoint has landed before the process exits
-        self.monitor.flush()  # written already when the step was checkpointed just now
-        self.close()
-        exit_preempted(number, self.step, self.out is not None, self.env.is_rank0)
