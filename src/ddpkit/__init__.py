@@ -6,6 +6,7 @@ from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
 from ddpkit.run.ema import EMA
+from ddpkit.run.engine import unwrap
 from ddpkit.run.materialize import empty_init
 from ddpkit.train.task import Task
 from ddpkit.version import __version__
@@ -23,4 +24,5 @@ __all__ = [
     "empty_init",
     "init_distributed",
     "launch",
+    "unwrap",
 ]

@@ -61,7 +61,7 @@ def main() -> None:
     if run.is_main:
         end = {
             "device": str(run.device),
-            "scaler": run.scaler.state_dict(),  # the Run's own GradScaler ({} unless fp16)
+            "scaler": run._scaler.state_dict(),  # the Run's own GradScaler ({} unless fp16)
             "cuda_rng": torch.cuda.get_rng_state(run.device).tolist(),
         }
         (Path(args.out) / "end_state.json").write_text(json.dumps(end), encoding="utf-8")

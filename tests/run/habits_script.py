@@ -87,7 +87,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
     ema = torch.optim.swa_utils.AveragedModel(
-        run.objects["model"], multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+        ddpkit.unwrap(model), multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
     )
     loop = {"best": 0.0, "bad_epochs": 0, "validations": 0}
     run.track(optimizer, scheduler, ema=ema, loop=loop)

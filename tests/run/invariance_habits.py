@@ -137,7 +137,7 @@ def train(out: str, habit: str, micro_batch: int | None) -> dict:
     except BaseException:
         run.close()
         raise
-    weights = {k: v.clone() for k, v in run.objects["model"].state_dict().items()}
+    weights = {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
     if habit == "dropout":  # twice: each evaluation draws the held-out noise alike
         score = lambda batch: F.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
         weights["val"] = torch.tensor(
@@ -183,7 +183,7 @@ def train_gan(out: str, micro_batch: int | None, freeze: bool) -> dict:
                     disc.requires_grad_(True)
     weights = {
         f"{name}.{k}": v.clone() for name in ("generator", "discriminator")
-        for k, v in run.objects[name].state_dict().items()
+        for k, v in run._objects[name].state_dict().items()
     }  # fmt: skip
     run.finish()
     return {"weights": weights, "lines": ddpkit_lines(out), "warnings": lines}

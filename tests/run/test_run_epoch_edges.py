@@ -58,7 +58,7 @@ def _train(out, kill_at: int | str | None = None, epochs: int = 4, engine: str =
     model = run.setup(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
-    ema = AveragedModel(run.objects["model"], multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema = AveragedModel(ddpkit.unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(0.9))
     loop = {"best": float("inf"), "bad_epochs": 0, "validations": 0}
     run.track(optimizer, plateau, ema=ema, loop=loop)
     loader = run.loader(_data())
@@ -91,7 +91,7 @@ def _train(out, kill_at: int | str | None = None, epochs: int = 4, engine: str =
         return {}
     run.finish()
     return {
-        "weights": {k: v.clone() for k, v in run.objects["model"].state_dict().items()},
+        "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
         "ema": {k: v.clone() for k, v in ema.state_dict().items()},
         "lr": optimizer.param_groups[0]["lr"],
         "loop": dict(loop),
@@ -147,8 +147,8 @@ def test_the_wrapped_model_gives_the_users_attributes_and_methods():
         run = ddpkit.Run(engine=engine, progress=False)
         model = run.setup(Net())
         x = torch.randn(2, 4)
-        assert model.backbone is run.objects["model"].backbone
-        assert torch.equal(model.features(x), run.objects["model"].features(x))
+        assert model.backbone is ddpkit.unwrap(model).backbone
+        assert torch.equal(model.features(x), ddpkit.unwrap(model).features(x))
         with pytest.raises(AttributeError, match="no attribute 'nothing'"):
             model.nothing  # noqa: B018
         run.finish()

@@ -185,7 +185,7 @@ def test_one_progress_bar_with_the_epochs_total(tmp_path, capsys):
     loader = run.loader(_data())
     for _ in loader:
         pass
-    bar = run.monitor.bar
+    bar = run._monitor.bar
     run.finish()
     assert (bar.desc.startswith("epoch 0"), bar.total, bar.n) == (True, 3, 3)
     assert "epoch 0: 100%" in capsys.readouterr().err
@@ -199,7 +199,7 @@ def _frames_until(tmp_path, stop_at: int | None) -> list[dict]:
     try:
         for _ in range(loader.epoch, 2):
             for _ in loader:
-                frames.append(dict(run.monitor.bar.format_dict))
+                frames.append(dict(run._monitor.bar.format_dict))
                 if run.step == stop_at:
                     return frames  # left in this step, as by a kill: resumed from the one before
     finally:
@@ -222,5 +222,5 @@ def test_the_users_own_bar_turns_ddpkits_off(tmp_path):
     with tqdm(total=len(loader)) as own:
         for _ in loader:
             own.update(1)
-        assert run.monitor.bar.disable
+        assert run._monitor.bar.disable
     run.finish()

@@ -38,7 +38,7 @@ def _fast_loop(out: str) -> tuple[int, int]:
         if run.step == PAUSE_STEP:
             time.sleep(PAUSE_S)  # an evaluation, say: one long step among short ones
     run.finish()
-    return run.monitor.every, run.monitor.check_every
+    return run._monitor.every, run._monitor.check_every
 
 
 @pytest.mark.slow

@@ -68,20 +68,22 @@ def _plain_save(model, optimizer, folder: Path, engine: str) -> None:
 
 
 def _session(out: str, engine: str, async_save: bool) -> tuple:
-    """A Run with the GPT and AdamW; its model, optimizer and a function for one step."""
+    """A Run with the GPT and AdamW; its model, optimizer and a function for one step. An epoch is
+    one step (12 samples, global batch 12), so after ``step()`` the run is between epochs, where
+    ``run.save()`` checkpoints at once: the save is timed alone, through the public API."""
     run = ddpkit.Run(out=out, engine=engine, global_batch=12, progress=False, async_save=async_save)
     model = run.setup(_gpt())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run.track(optimizer)
-    data = torch.randint(0, 128, (12 * 64, 65), generator=torch.Generator().manual_seed(0))
-    batches = iter(run.loader(torch.utils.data.TensorDataset(data)))
+    data = torch.randint(0, 128, (12, 65), generator=torch.Generator().manual_seed(0))
+    loader = run.loader(torch.utils.data.TensorDataset(data))
 
     def step() -> None:
-        (x,) = next(batches)
-        logits = model(x[:, :-1])
-        optimizer.zero_grad()
-        run.backward(F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1)))
-        optimizer.step()
+        for (x,) in loader:
+            logits = model(x[:, :-1])
+            optimizer.zero_grad()
+            run.backward(F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1)))
+            optimizer.step()
 
     return run, model, optimizer, step
 
@@ -106,8 +108,7 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
     step()  # warm-up: AdamW's state exists from here on
     for _ in range(rounds):
         times["step"].append(_timed(step))
-        run.cycle.finish()  # the step's boundary (its log line), so what is timed next is the save alone
-        times["save"].append(_timed(run.cycle.checkpoint))
+        times["save"].append(_timed(run.save))  # between epochs: the checkpoint, now
         times["plain"].append(_timed(lambda: _plain_save(model, optimizer, out, engine)))
         times["load"].append(_timed(lambda: _plain_load(model, optimizer, out, engine)))
     run.close()  # no final checkpoint: the last run.save() is what the resume below starts from
@@ -115,9 +116,8 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
         run, model, optimizer, step = _session(str(out / "async"), engine, True)
         step()
         for _ in range(rounds):
-            run.cycle.finish()
-            times["async"].append(_timed(lambda: (run.cycle.checkpoint(), step())))
-            run.cycle.writer.wait()  # the next round starts with the disk idle
+            times["async"].append(_timed(lambda: (run.save(), step())))
+            time.sleep(2.0)  # the thread's write (about 0.5 s here) lands before the next round
         run.close()
     resume = {}
     for kind, path in (("resume", out / "sync"), ("fresh", out / "fresh")):

@@ -43,32 +43,32 @@ class Loader:
     """
 
     def __init__(self, source: MapSource | StreamSource, cycle: StepCycle) -> None:
-        self.source, self._cycle = source, cycle
+        self._source, self._cycle = source, cycle
 
     @property
     def epoch(self) -> int:
         """The epoch that the next ``for batch in loader`` runs (0-based)."""
-        return self.source.epoch
+        return self._source.epoch
 
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step over all ranks."""
-        return self.source.global_batch
+        return self._source.global_batch
 
     @property
     def dataloader(self) -> DataLoader:
         """The torch DataLoader behind it (its workers, pinning and collate_fn are the user's)."""
-        return self.source.dataloader
+        return self._source.dataloader
 
     @property
     def sampler(self) -> GlobalBatchSampler:
         """A map-style dataset's GlobalBatchSampler (a stream has none)."""
-        return self.source.sampler
+        return self._source.sampler
 
     @property
     def steps_per_epoch(self) -> int | None:
         """Optimizer steps in one epoch (None for a stream, whose passes have no known length)."""
-        return self.source.steps_per_epoch
+        return self._source.steps_per_epoch
 
     def __len__(self) -> int:
         """Optimizer steps in one epoch (``steps_per_epoch``): the same number at every point of a
@@ -78,22 +78,22 @@ class Loader:
         ``epochs * len(loader)`` sizes a schedule right. Iterating yields micro-batches: with
         ``micro_batch`` below a rank's share of the global batch, more than ``len`` of them.
         """
-        if self.source.steps_per_epoch is None:
+        if self._source.steps_per_epoch is None:
             raise TypeError(
                 "a stream has no length to size a schedule by: give ddpkit.Run steps=N and size it by that"
             )
-        return self.source.steps_per_epoch
+        return self._source.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        return self._cycle.drive(self.source)
+        return self._cycle.drive(self._source)
 
     def state_dict(self) -> dict:
         """The position the run's checkpoints hold (what the world consumed, not what was prefetched)."""
-        return self.source.state_dict()
+        return self._source.state_dict()
 
     def load_state_dict(self, state: Any) -> None:
         """Continue from a saved position (a checkpoint's; the run does this itself on resume)."""
-        self.source.load_state_dict(state)
+        self._source.load_state_dict(state)
 
 
 def make_source(

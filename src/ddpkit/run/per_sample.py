@@ -9,7 +9,7 @@ from ddpkit.run.gather import all_gather
 
 
 class PerSample:
-    """Run's per-sample calls; Run provides ``_draws`` (a SampleDraws), ``cycle`` and ``env``."""
+    """Run's per-sample calls; Run provides ``_draws`` (a SampleDraws), ``_cycle`` and ``env``."""
 
     def rand_like(self, x: torch.Tensor) -> torch.Tensor:
         """``torch.rand_like(x)`` drawn per sample: row i (dim 0) from (seed, step, sample i's place
@@ -30,4 +30,4 @@ class PerSample:
         """Every rank's ``x`` (dim 0: its samples) in global-batch order, differentiable: an
         in-batch-negatives loss (InfoNCE, CLIP) over the gathered batch is one process's. Exact
         when each rank's share is one micro-batch; refused in one line under a smaller micro_batch."""
-        return all_gather(x, self.cycle.micro, self.env)
+        return all_gather(x, self._cycle.micro, self.env)

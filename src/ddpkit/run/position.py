@@ -10,14 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 from ddpkit.dist import DistEnv
+from ddpkit.run.config import DataConfig, RunConfig
 from ddpkit.run.cycle import StepCycle
 
 
 class RunPosition:
-    """Read-only properties of a run's process and step (``Run`` sets ``env`` and ``cycle``)."""
+    """Read-only properties of a run's process and step (``Run`` sets ``env`` and ``_cycle``)."""
 
     env: DistEnv
-    cycle: StepCycle
+    _cycle: StepCycle
+    _cfg: RunConfig
+    _data_cfg: DataConfig
 
     @property
     def rank(self) -> int:
@@ -41,22 +44,33 @@ class RunPosition:
         return self.env.is_rank0
 
     @property
+    def steps(self) -> int | None:
+        """The run's step budget (``steps=``), None when the loop's epochs decide."""
+        return self._cfg.steps
+
+    @property
+    def micro_batch(self) -> int | None:
+        """Samples per micro-batch on each rank (``micro_batch=``), None: each rank's whole share
+        of a step in one."""
+        return self._data_cfg.micro_batch
+
+    @property
     def step(self) -> int:
         """Optimizer steps begun (inside the loop, the running one counts); a resume starts at its own."""
-        return self.cycle.step
+        return self._cycle.step
 
     @property
     def batch_offset(self) -> int:
         """The place of this micro-batch's first sample in the step's global batch: its row in
         ``run.all_gather``'s result (an InfoNCE's labels are ``run.batch_offset + arange(len(x))``)."""
-        micro = self.cycle.micro
+        micro = self._cycle.micro
         return micro.offset if micro is not None else 0
 
     @property
     def at_step_end(self) -> bool:
         """True after a step's last micro-batch came out of the loader: the step is complete once
         the optimizer steps, and a collective here (``run.evaluate``) is reached by every rank."""
-        return self.cycle.at_step_end
+        return self._cycle.at_step_end
 
     @property
     def loss(self) -> float | None:
@@ -64,7 +78,7 @@ class RunPosition:
         steps (what ``metrics.jsonl`` says, the same on any world size). Its gather finishes
         without a wait, so in the loop it is the line of two steps before (None until then);
         after ``finish``, the last line's. ``loss.item()`` is this rank's micro-batch alone."""
-        return self.cycle.monitor.last_loss
+        return self._cycle.monitor.last_loss
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""

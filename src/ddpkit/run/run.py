@@ -24,25 +24,21 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.logs import setup_logging
 from ddpkit.run import best, notices
-from ddpkit.run.best import BestKeeper
 from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.cycle import StepCycle
 from ddpkit.run.draws import SampleDraws
-from ddpkit.run.dropout import key_dropout, note_dropout
 from ddpkit.run.ema import save_final
-from ddpkit.run.engine import local_forwards, unwrap, wrap
+from ddpkit.run.engine import local_forwards, unwrap
 from ddpkit.run.evaluate import evaluate
 from ddpkit.run.loader import Loader, make_source
-from ddpkit.run.materialize import WeightsPlan
-from ddpkit.run.models import check_same_model, load_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
 from ddpkit.run.per_sample import PerSample
+from ddpkit.run.placement import place_model
 from ddpkit.run.position import RunPosition
 from ddpkit.run.registry import DictState, kind_of, new_name
 from ddpkit.run.seeding import seed_everything
 from ddpkit.run.session import Session
-from ddpkit.run.sharded_state import load_model
 
 log = logging.getLogger(__name__)
 
@@ -89,37 +85,53 @@ class Run(RunPosition, PerSample):
         **options: Any,
     ) -> None:
         install_excepthook()  # an uncaught ConfigError, from here on: one line and exit code 2
-        self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg = split_options(options)
-        self.cfg = RunConfig(str(out) if out is not None else None, seed, backend, steps)
-        if out is None and self.ckpt_cfg.save_every:
-            raise ConfigError(f"save_every={self.ckpt_cfg.save_every} needs out=FOLDER for its checkpoints")
+        self._data_cfg, self._engine_cfg, self._ckpt_cfg, self._optim_cfg, self._diag_cfg = split_options(
+            options
+        )
+        self._cfg = RunConfig(str(out) if out is not None else None, seed, backend, steps)
+        if out is None and self._ckpt_cfg.save_every:
+            raise ConfigError(f"save_every={self._ckpt_cfg.save_every} needs out=FOLDER for its checkpoints")
         self.out, self.seed = (Path(out) if out is not None else None), seed
-        self.session = Session(backend, self.diag_cfg)
-        self.env = self.session.env
+        self._session = Session(backend, self._diag_cfg)
+        self.env = self._session.env
         self.device = self.env.device
         setup_logging(self.env)
         seed_everything(seed)
-        self.models: dict[str, nn.Module] = {}  # name -> the wrapped model the user calls
-        self.objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
-        self.train_loader: Loader | None = None
-        self._best = self.objects[best.NAME] = BestKeeper()  # run.save_best's value, checkpointed
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.engine_cfg.precision == "fp16")
-        if self.scaler.is_enabled():  # its scale and growth tracker resume with the run
-            self.objects["grad_scaler"] = self.scaler
-        self.gate = OptimizerGate(self.optim_cfg, self.scaler)
+        self._models: dict[str, nn.Module] = {}  # name -> the wrapped model the user calls
+        self._objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
+        self._train_loader: Loader | None = None
+        self._best = self._objects[best.NAME] = best.BestKeeper()  # run.save_best's value, checkpointed
+        self._scaler = torch.amp.GradScaler(self.device.type, enabled=self._engine_cfg.precision == "fp16")
+        if self._scaler.is_enabled():  # its scale and growth tracker resume with the run
+            self._objects["grad_scaler"] = self._scaler
+        self._gate = OptimizerGate(self._optim_cfg, self._scaler)
         try:
-            self.session.open(self.out, self.ckpt_cfg, steps)
-            configs = (self.cfg, self.data_cfg, self.engine_cfg, self.ckpt_cfg, self.optim_cfg, self.diag_cfg)
+            self._session.open(self.out, self._ckpt_cfg, steps)
+            configs = (
+                self._cfg,
+                self._data_cfg,
+                self._engine_cfg,
+                self._ckpt_cfg,
+                self._optim_cfg,
+                self._diag_cfg,
+            )
             params = {k: v for cfg in configs for k, v in dataclasses.asdict(cfg).items()}  # for trackers
-            self.monitor = Monitor(self.env, self.diag_cfg, self.out, params)
+            self._monitor = Monitor(self.env, self._diag_cfg, self.out, params)
         except BaseException:
-            self.session.leave()  # the folder's lock and the process group, so nothing is left behind
+            self._session.leave()  # the folder's lock and the process group, so nothing is left behind
             raise
-        self._draws = SampleDraws(seed, self.device, eager=self.engine_cfg.invariant_dropout)
-        self.cycle = StepCycle(
-            self.session, self.monitor, self.gate, self.objects, self.models, self.out, self.ckpt_cfg, steps,
+        self._draws = SampleDraws(seed, self.device, eager=self._engine_cfg.invariant_dropout)
+        self._cycle = StepCycle(
+            self._session,
+            self._monitor,
+            self._gate,
+            self._objects,
+            self._models,
+            self.out,
+            self._ckpt_cfg,
+            steps,
             self._draws,
-        )  # fmt: skip
+        )
         atexit.register(self._finish_at_exit)
 
     # --- registration -----------------------------------------------------------------------
@@ -144,20 +156,9 @@ class Run(RunPosition, PerSample):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"run.setup takes an nn.Module, got {type(model).__name__}: {model!r:.60}")
         name = self._new_name(name, "model")
-        saved = self.session.saved_state(name)
-        plan = WeightsPlan(model, self.device, self.engine_cfg, saved, weights, init)
-        check_same_model(model, self.env)
-        if self.engine_cfg.invariant_dropout:
-            key_dropout(model, self._draws, self.engine_cfg.dropout_batch_dim)
-        else:
-            note_dropout(model, self.env.is_rank0)
-        plan.before_wrap(unwrap(model), lambda m: load_weights(m, saved, name, self.session.resume_path))
-        if self.env.world_size > 1:  # before the engine's hooks, which wait for the all-reduce
-            self.monitor.watch(model)
-        wrapped = wrap(model, self.env, self.engine_cfg, self._draws)
-        plan.after_wrap(unwrap(wrapped))
-        load_model(self.session.resume_path, name, saved, unwrap(wrapped))  # a sharded checkpoint's
-        self.models[name], self.objects[name] = wrapped, unwrap(wrapped)
+        parts = (self.env, self._engine_cfg, self._draws, self._monitor)
+        wrapped = place_model(model, name, self._session, *parts, weights, init)
+        self._models[name], self._objects[name] = wrapped, unwrap(wrapped)
         self.track(*optimizers)
         return wrapped
 
@@ -177,9 +178,9 @@ class Run(RunPosition, PerSample):
                     f"got {type(obj).__name__}"
                 )
             self._new_name(name, name)
-            self.gate.track(obj)
+            self._gate.track(obj)
             notices.remember_settings(obj)
-            self.objects[name] = obj
+            self._objects[name] = obj
 
     def loader(self, data: Dataset | DataLoader, **dataloader_kwargs: Any) -> Loader:
         """A DataLoader over ``data`` that yields this rank's micro-batches, on the device.
@@ -196,21 +197,21 @@ class Run(RunPosition, PerSample):
                 weights: one per sample, drawn with replacement from (seed, epoch) instead of a shuffle;
                 inexact_resume: accept a stream whose state_dict cannot resume it exactly.
         """
-        if self.train_loader is not None:
+        if self._train_loader is not None:
             raise ConfigError(
                 "a run has one training loader; evaluate other data with run.evaluate(dataset, fn)"
             )
-        source = make_source(data, dataloader_kwargs, self.data_cfg, self.env, self.seed, self._phase)
+        source = make_source(data, dataloader_kwargs, self._data_cfg, self.env, self.seed, self._phase)
         self._new_name("loader", "loader")
-        self.objects["loader"] = source
-        if (position := self.session.saved_state("loader")) is not None:
+        self._objects["loader"] = source
+        if (position := self._session.saved_state("loader")) is not None:
             source.load_state_dict(position)  # loader.epoch is the resumed one before the loop
-        self.train_loader = Loader(source, self.cycle)
-        return self.train_loader
+        self._train_loader = Loader(source, self._cycle)
+        return self._train_loader
 
     def _new_name(self, name: str | None, kind: str) -> str:
-        name = new_name(self.objects, name, kind)
-        if self.cycle.started:
+        name = new_name(self._objects, name, kind)
+        if self._cycle.started:
             raise ConfigError(
                 f"register {name!r} before the first batch: a resumed run restores everything then"
             )
@@ -232,7 +233,7 @@ class Run(RunPosition, PerSample):
         Outside a ``run.loader`` loop it is a plain backward. Every call's loss is logged, as what
         it is (mean, sum per step, or mean per item).
         """
-        self.cycle.backward(loss, reduction, count)
+        self._cycle.backward(loss, reduction, count)
 
     def log(self, reduce: str = "mean", **metrics: float | torch.Tensor) -> None:
         """Record metrics. In a step, for the metrics line: ``reduce="mean"``, the mean over every
@@ -242,30 +243,30 @@ class Run(RunPosition, PerSample):
         own with the step they follow: the mean (or sum) of the values the ranks logged, written
         before the next step, checkpoint or the run's end. A rank without samples in an epoch's last
         batch counts for nothing; any subset of ranks may log; a value is written once."""
-        self.cycle.log(metrics, reduce)
+        self._cycle.log(metrics, reduce)
 
     def save(self) -> None:
         """Checkpoint at the end of the current step (now, between epochs). All ranks call it."""
-        self.cycle.request_save()
+        self._cycle.request_save()
 
     def save_best(self, value: float | torch.Tensor, mode: str = "min") -> bool:
         """Write every model's weights to ``OUT/best.pt`` when ``value`` (a validation loss, or with
         ``mode="max"`` an accuracy) beats the best so far, and checkpoint this step; True if it did.
         All ranks call it (run/best.py)."""
-        models = {name: unwrap(model) for name, model in self.models.items()}
+        models = {name: unwrap(model) for name, model in self._models.items()}
         if better := self._best.offer(value, mode, self.step, models, self.out, self.env):
-            self.cycle.request_save()
+            self._cycle.request_save()
         return better
 
     def evaluate(self, dataset: Dataset, fn: Any, **kwargs: Any) -> dict[str, float]:
         """Exact mean (``reduce="sum"``: sum) over ``dataset`` of ``fn(batch)``, a batch's mean (or a
         dict of them), each sample once, models in eval mode, draws seeded per sample (evaluate.py)."""
         self._phase("eval: metric sums all_gather")
-        with local_forwards(list(self.models.values())):
-            return evaluate(dataset, fn, self.env, list(self.models.values()), seed=self.seed, **kwargs)
+        with local_forwards(list(self._models.values())):
+            return evaluate(dataset, fn, self.env, list(self._models.values()), seed=self.seed, **kwargs)
 
     def _phase(self, name: str) -> None:
-        self.monitor.phase(self.cycle.step, name)
+        self._monitor.phase(self._cycle.step, name)
 
     # --- the end -------------------------------------------------------------------------------
 
@@ -273,21 +274,21 @@ class Run(RunPosition, PerSample):
         """Finish the last step (its log line and checkpoint), write OUT/NAME.pt for every model on
         rank 0, draw OUT/loss.png, and leave the process group. All ranks call it. A run whose loop
         ended normally is finished at exit if the script does not call this itself."""
-        if self.cycle.closed:
+        if self._cycle.closed:
             return
-        self.cycle.finish_run()
-        save_final(self.models, self.objects, self.out, self.env)  # OUT/NAME.pt: models, then EMAs
+        self._cycle.finish_run()
+        save_final(self._models, self._objects, self.out, self.env)  # OUT/NAME.pt: models, then EMAs
         self.close(plot=True)
 
     def close(self, plot: bool = False) -> None:
         """Stop the diagnostics and leave the process group without another collective (after an error)."""
         atexit.unregister(self._finish_at_exit)
-        self.cycle.close(plot)
+        self._cycle.close(plot)
 
     def _finish_at_exit(self) -> None:
         # Only after a loop that ended normally: a rank leaving through an exception must not enter
         # a collective its peers never reach (sys.last_value is set by the excepthook).
-        if self.cycle.closed or getattr(sys, "last_value", None) is not None or not self.cycle.started:
+        if self._cycle.closed or getattr(sys, "last_value", None) is not None or not self._cycle.started:
             return self.close()
         log.info("finishing the run at exit (run.finish() was not called)")
         self.finish()

@@ -60,7 +60,7 @@ class Trainer:
         if cfg.num_workers > 0:  # workers live across epochs instead of starting again at each
             extra["persistent_workers"] = True
         self.loader = run.loader(task.dataset, num_workers=cfg.num_workers, **extra)
-        self.total_steps = run.cfg.steps or (cfg.epochs or 1) * self.loader.steps_per_epoch
+        self.total_steps = run.steps or (cfg.epochs or 1) * self.loader.steps_per_epoch
         if task.optimizer is not None:
             self.optimizer = task.optimizer(self.model.parameters())
         else:
@@ -116,7 +116,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Mean loss over the whole held-out split, each sample once; logged with the step."""
-        share = self.run.data_cfg.micro_batch or self.loader.global_batch // self.run.env.world_size
+        share = self.run.micro_batch or self.loader.global_batch // self.run.env.world_size
         extra = {"collate_fn": self.task.collate_fn} if self.task.collate_fn is not None else {}
         result = self.run.evaluate(self.task.eval_dataset, self.loss, batch_size=share, **extra)
         self.run.log(eval_loss=result["value"], eval_samples=result["samples"])

@@ -1,0 +1,54 @@
+"""``run.setup``'s work on a model: checked, given its values, wrapped in the engine, resumed.
+
+In order: every rank's build is the same (shapes and values); dropout is keyed per sample or
+noted; a model built on meta gets its values (materialize.py), an eager one the checkpoint's
+weights when the run resumes; the comm-wait clock watches it (2+ ranks), the engine wraps it,
+and a sharded checkpoint's weights load into the shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+
+from ddpkit.dist import DistEnv
+from ddpkit.run.draws import SampleDraws
+from ddpkit.run.dropout import key_dropout, note_dropout
+from ddpkit.run.engine import unwrap, wrap
+from ddpkit.run.engine_config import EngineConfig
+from ddpkit.run.materialize import WeightsPlan
+from ddpkit.run.models import check_same_model, load_weights
+from ddpkit.run.monitor import Monitor
+from ddpkit.run.session import Session
+from ddpkit.run.sharded_state import load_model
+
+
+def place_model(
+    model: nn.Module,
+    name: str,
+    session: Session,
+    env: DistEnv,
+    cfg: EngineConfig,
+    draws: SampleDraws,
+    monitor: Monitor,
+    weights: str | Path | None,
+    init: Callable[[nn.Module], object] | None,
+) -> nn.Module:
+    """The wrapped model ``run.setup`` returns, registered as ``name`` (its part of the checkpoint
+    the session resumes from, if any, is its weights)."""
+    saved, resume_path = session.saved_state(name), session.resume_path
+    plan = WeightsPlan(model, env.device, cfg, saved, weights, init)
+    check_same_model(model, env)
+    if cfg.invariant_dropout:
+        key_dropout(model, draws, cfg.dropout_batch_dim)
+    else:
+        note_dropout(model, env.is_rank0)
+    plan.before_wrap(unwrap(model), lambda m: load_weights(m, saved, name, resume_path))
+    if env.world_size > 1:  # before the engine's hooks, which wait for the all-reduce
+        monitor.watch(model)
+    wrapped = wrap(model, env, cfg, draws)
+    plan.after_wrap(unwrap(wrapped))
+    load_model(resume_path, name, saved, unwrap(wrapped))  # a sharded checkpoint's
+    return wrapped
