@@ -36,25 +36,16 @@ from ddpkit.errors import OneLineParser
 from ddpkit.launch import launch
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
 class Net(nn.Module):
-    """``layers`` residual blocks of one ``width`` x ``width`` layer: each block is a group."""
+    """``layers`` residual layers of ``width`` x ``width``: each layer is a group of its own."""
 
     def __init__(self, layers: int, width: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
         return x
 
 
@@ -146,7 +137,7 @@ def main(argv: list[str]) -> int:
     nprocs, builds = [int(n) for n in ns.nproc.split(",")], ns.builds.split(",")
     rows = measure(nprocs, builds, ns.layers, ns.width)
     model_mb = rows[0]["model_mb"]
-    shape = f"{ns.layers} x {ns.width} blocks, {model_mb:.0f} MiB of fp32 weights"
+    shape = f"{ns.layers} x {ns.width} layers, {model_mb:.0f} MiB of fp32 weights"
     print(f"# ddpkit bench setup-memory: fsdp, {shape}")
     print("# per rank, the largest over ranks: MiB (fraction of the model)")
     print(f"{'nproc':>5} {'build':>6} {'setup peak':>18} {'steady peak':>18} {'held':>18}")
