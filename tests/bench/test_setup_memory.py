@@ -16,5 +16,5 @@ def test_a_meta_model_from_a_file_holds_its_shard_not_the_model_during_setup():
     model_mb = row["model_mb"]
     for rank in row["ranks"]:
         assert rank["held_mb"] == pytest.approx(model_mb / 2, rel=0.01), rank
-        # 0.68 of the model measured (192 MiB of shards, 16 MiB groups, the staging); eager: 2.0.
+        # 0.66 to 0.68 of the model measured (192 MiB of shards, 16 MiB groups, the staging); eager: 2.0.
         assert 0 < rank["setup_mb"] < 0.8 * model_mb, rank
