@@ -17,24 +17,42 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
+def _tracked(net: nn.Module, decay: float) -> tuple[ddpkit.Run, nn.Module, ddpkit.EMA]:
+    """A world-of-one run with ``net`` set up and an EMA of it tracked."""
+    run = ddpkit.Run(progress=False)
+    model = run.setup(net)
+    ema = ddpkit.EMA(model, decay=decay)
+    run.track(ema=ema)
+    return run, model, ema
+
+
 def test_the_average_is_averaged_models_to_the_bit():
-    net = _net()
+    run, net, ours = _tracked(_net(), 0.9)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    ours, theirs = ddpkit.EMA(net, decay=0.9), AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    theirs = AveragedModel(ddpkit.unwrap(net), multi_avg_fn=get_ema_multi_avg_fn(0.9))
     for step in range(6):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
         optimizer.zero_grad()
         F.mse_loss(net(x), x[:, :1]).backward()
         optimizer.step()
         ours.update()
-        theirs.update_parameters(net)
+        theirs.update_parameters(ddpkit.unwrap(net))
     for name, value in theirs.module.named_parameters():
         assert torch.equal(ours.state_dict()["shadow"][name], value), name
+    run.close()
+
+
+def test_an_untracked_ema_is_one_line_at_its_first_update():
+    ema = ddpkit.EMA(_net())
+    with pytest.raises(
+        ddpkit.ConfigError, match=r"update\(\) before run.track\(ema=ema\): tracked, the average"
+    ):
+        ema.update()
 
 
 def test_applied_swaps_the_average_in_and_puts_the_weights_back_exactly():
-    net = _net()
-    ema = ddpkit.EMA(net, decay=0.5)
+    run, model, ema = _tracked(_net(), 0.5)
+    net = ddpkit.unwrap(model)
     ema.update()
     with torch.no_grad():
         net[0].weight.add_(1.0)
@@ -43,12 +61,11 @@ def test_applied_swaps_the_average_in_and_puts_the_weights_back_exactly():
         assert module is net
         assert torch.equal(net[0].weight, ema.shadow["0.weight"])
     assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+    run.close()
 
 
 def test_a_checkpointed_average_comes_back():
-    net = _net()
-    ema = ddpkit.EMA(net, decay=0.5)
-    ema.update()
+    ema = ddpkit.EMA(_net(), decay=0.5)
     saved = {"decay": 0.5, "updates": 1, "shadow": {k: v.clone() + 1 for k, v in ema.shadow.items()}}
     other = ddpkit.EMA(_net(), decay=0.5)
     other.load_state_dict(saved)

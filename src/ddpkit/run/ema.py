@@ -26,7 +26,7 @@ averaged weights and the model's own buffers, loadable into a fresh model as ``m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ class EMA:
         reshard(self.module)
         with torch.no_grad():
             self.shadow = {name: p.detach().clone() for name, p in self.module.named_parameters()}
-        self.accumulating = lambda: False  # run.track hands it the gate's: micro-batches wait
+        self.accumulating: Callable[[], bool] | None = None  # run.track hands it the gate's
 
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(averages, parameters), each rank's local parts, with the shards registered."""
@@ -87,6 +87,12 @@ class EMA:
     def update(self) -> None:
         """Average the model's current weights in: call it after ``optimizer.step()``. On a step's
         earlier micro-batches (the optimizer has not stepped yet) it does nothing."""
+        if self.accumulating is None:
+            raise ConfigError(
+                "ddpkit.EMA.update() before run.track(ema=ema): tracked, the average is checkpointed (a "
+                "resume would otherwise start it again from the current weights) and waits for a step's "
+                "last micro-batch; call run.track(ema=ema) before the loop"
+            )
         if self.accumulating():
             return
         averages, params = self._pairs()
