@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -247,3 +249,23 @@ def test_a_one_element_loss_is_logged_and_a_loss_per_sample_is_one_line(tmp_path
         run.close()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["loss"] for line in lines] == pytest.approx(losses, rel=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["torch", "native", "fsdp"])
+def test_a_finished_run_lets_the_model_go(engine):
+    # A notebook trains, finishes and trains again: the first model (on a GPU, its weights, gradients
+    # and optimizer state) must not stay alive. A post-accumulate-grad hook whose closure reached
+    # the model did that: torch cannot collect a cycle through such a hook.
+    net = _model()
+    gone = weakref.ref(net)
+    with ddpkit.Run(global_batch=8, engine=engine, progress=False) as run:
+        model = run.setup(net)
+        optimizer = torch.optim.AdamW(model.parameters())
+        run.track(optimizer)
+        for x, y in run.loader(_data(16)):
+            optimizer.zero_grad()
+            run.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+    del net, model, optimizer, run, x, y
+    gc.collect()
+    assert gone() is None

@@ -83,8 +83,10 @@ class LocalEngine(nn.Module):
         for hook in self._hooks:
             hook.remove()
         self._got.clear()
+        got = self._got  # not self: torch cannot collect a cycle through a post-accumulate-grad
+        # hook (a hook that reached the engine, and so the model, would keep both alive for good)
         self._hooks = [
-            p.register_post_accumulate_grad_hook(lambda param: self._got.add(id(param)))
+            p.register_post_accumulate_grad_hook(lambda param: got.add(id(param)))
             for p in self.module.parameters()
             if p.requires_grad and self._watching
         ]

@@ -25,13 +25,18 @@ class NormWatch:
 
     def __init__(self) -> None:
         self.pending: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+        self._spare: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # read already: free to reuse
 
     def add(self, step: int, norm: torch.Tensor) -> None:
         """Queue ``step``'s gradient norm (a tensor on the device) for the check."""
         if norm.device.type == "cuda":
-            host = torch.empty((), dtype=norm.dtype, pin_memory=True)
+            # A pinned scalar and an event of a norm read before, or new ones (a pinned allocation
+            # and an event cost about as much as the rest of this check).
+            spare = self._spare.pop() if self._spare else None
+            if spare is None or spare[0].dtype != norm.dtype:
+                spare = (torch.empty((), dtype=norm.dtype, pin_memory=True), torch.cuda.Event())
+            host, landed = spare
             host.copy_(norm.detach(), non_blocking=True)
-            landed = torch.cuda.Event()
             landed.record()
             self.pending.append((step, host, landed))
         else:
@@ -44,6 +49,7 @@ class NormWatch:
             step, host, landed = self.pending.popleft()
             if landed is not None:
                 landed.synchronize()  # long done but on the rare step the GPU is a step behind
+                self._spare.append((host, landed))  # its copy landed: the next add may reuse it
             value = float(host)  # host memory: no device sync
             if not math.isfinite(value):
                 self.pending.clear()

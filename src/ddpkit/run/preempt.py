@@ -4,7 +4,10 @@ boundary that every rank agrees on, with a checkpoint of that step.
 The handler only records the signal. Ranks receive it at slightly different moments, so they
 agree with one all-reduce (MAX of the signal number) every ``every`` steps: about half a second
 of steps by the measured step time, and at least at every log step. The agreement costs one tiny
-collective per half second or per log line, and a stop waits at most that long plus a step. A
+collective per half second or per log line, and a stop waits at most that long plus a step. On a
+GPU the agreement must not make the CPU wait for the device (reading its result would): its
+result is copied to pinned memory without blocking and read at the next agreeing step, where it
+has long landed, so every rank acts on the same result at the same step, one agreement later. A
 second signal exits at once; the checkpoint being written is then abandoned and the previous good
 one stays.
 """
@@ -31,6 +34,7 @@ class Preemption:
 
     def __init__(self, names: str, device: torch.device) -> None:
         self.device, self.received, self.every = device, 0, 1
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None  # a GPU's last agreement
         self._previous: dict[int, object] = {}
         if threading.current_thread() is not threading.main_thread():
             return  # Python lets only the main thread install handlers
@@ -53,9 +57,24 @@ class Preemption:
         """The signal every rank now acts on (0: none). Collective on the steps that agree."""
         if step % self.every:
             return 0
-        flag = torch.tensor([self.received], dtype=torch.int32, device=self.device)
+        if self.device.type != "cuda":
+            flag = torch.tensor([self.received], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return int(flag.item())
+        if self._pending is not None:  # the last agreement's result, read now: no wait for the GPU
+            host, landed = self._pending
+            self._pending = None
+            landed.synchronize()  # long done but on the rare step the GPU runs far behind
+            if int(host):
+                return int(host)
+        flag = torch.full((1,), self.received, dtype=torch.int32, device=self.device)  # no host copy
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self._pending = (host, landed)
+        return 0
 
     def restore(self) -> None:
         """Put back the handlers that were there before the run."""
