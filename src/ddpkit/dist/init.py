@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import atexit
 import gc
-import logging
 import itertools
+import logging
 import os
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from ddpkit.choices import BACKENDS
 from ddpkit.dist import gloo_threads
 from ddpkit.dist.env import DistEnv, read_launcher_vars
 from ddpkit.dist.threads import share_cores, warn_if_oversubscribed
@@ -20,7 +21,6 @@ from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
 # Start-up waits for every rank to arrive, which on a busy cluster can take minutes (the seeds'
 # "skewed processing speeds"); a generous default avoids spurious timeouts there.
 DEFAULT_TIMEOUT = timedelta(minutes=30)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ddpkit.choices import COMPRESSIONS, powersgd_settings
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.bucket import Bucket, CommHook, Handle
 from ddpkit.parallel.powersgd import PowerSGD
@@ -80,27 +81,15 @@ class CastHook:
         return _CastBack(work, low, bucket.buffer)
 
 
-COMPRESSIONS = ("bf16", "fp16", "powersgd")  # and powersgd:RANK[:START_ITER]
-
-
 def parse_powersgd(spec: str) -> PowerSGD:
     """``"powersgd"``, ``"powersgd:RANK"`` or ``"powersgd:RANK:START_ITER"`` as a PowerSGD hook.
 
     Args:
-        spec: the string; RANK is ``matrix_approximation_rank`` (default 1, torch's), START_ITER
-            the plain all-reduce steps before compressing (default 10, torch's 1000 is for long runs).
+        spec: the string, read by ``ddpkit.choices.powersgd_settings`` (which the config's check
+            shares): RANK is ``matrix_approximation_rank`` (default 1), START_ITER the plain
+            all-reduce steps before compressing (default 10).
     """
-    name, *numbers = spec.split(":")
-    if name != "powersgd" or len(numbers) > 2 or not all(n.isascii() and n.isdigit() for n in numbers):
-        raise ConfigError(
-            f"bad PowerSGD compression {spec!r}; use powersgd, powersgd:RANK or "
-            "powersgd:RANK:START_ITER with whole numbers, for example powersgd:4 or powersgd:4:50"
-        )
-    fields = ("matrix_approximation_rank", "start_iter")
-    try:
-        return PowerSGD(**{field: int(n) for field, n in zip(fields, numbers, strict=False)})
-    except ConfigError as err:  # rank 0 or start_iter 1: say which string held it
-        raise ConfigError(f"compression {spec!r}: {err}") from None
+    return PowerSGD(**powersgd_settings(spec))
 
 
 def make_hook(compression: str | CommHook | None) -> CommHook:

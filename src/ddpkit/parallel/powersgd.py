@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ddpkit.errors import ConfigError
+from ddpkit.choices import POWERSGD_RANK, POWERSGD_START_ITER, check_powersgd
 from ddpkit.parallel.flat import flatten, unflatten
 
 
@@ -53,8 +53,8 @@ class PowerSGD:
 
     def __init__(
         self,
-        matrix_approximation_rank: int = 1,
-        start_iter: int = 10,
+        matrix_approximation_rank: int = POWERSGD_RANK,
+        start_iter: int = POWERSGD_START_ITER,
         min_compression_rate: float = 2.0,
         error_feedback: bool = True,
         warm_start: bool = True,
@@ -69,18 +69,8 @@ class PowerSGD:
                 stacklevel=2,
             )
             matrix_approximation_rank = rank
-        rank = matrix_approximation_rank
-        if rank < 1:
-            raise ConfigError(
-                f"PowerSGD matrix_approximation_rank {rank} must be at least 1, "
-                "for example matrix_approximation_rank=1"
-            )
-        if start_iter <= 1 and (error_feedback or warm_start):
-            raise ConfigError(
-                f"PowerSGD start_iter {start_iter} must be > 1 with error feedback or warm start: "
-                "the first synchronized step runs before the buckets are rebuilt; use start_iter=2 or more"
-            )
-        self.matrix_approximation_rank = rank
+        check_powersgd(matrix_approximation_rank, start_iter, error_feedback, warm_start)
+        self.matrix_approximation_rank = matrix_approximation_rank
         self.start_iter, self.min_compression_rate = start_iter, min_compression_rate
         self.error_feedback, self.warm_start = error_feedback, warm_start
         self.rng = np.random.RandomState(seed)

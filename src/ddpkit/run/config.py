@@ -11,7 +11,7 @@ import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ddpkit.dist.init import BACKENDS
+from ddpkit.choices import BACKENDS
 from ddpkit.errors import ConfigError
 from ddpkit.run.engine_config import EngineConfig
 

@@ -1,19 +1,18 @@
 """``EngineConfig``: how ``run.setup`` syncs, shards, recomputes and casts the model.
 
 A leaf, as config.py (which routes ``ddpkit.Run``'s keyword options to it): it imports nothing of
-the runtime but the parsing of a PowerSGD option.
+the runtime; the compressions and the PowerSGD string's check come from the leaf ``ddpkit.choices``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddpkit.choices import COMPRESSIONS, powersgd_settings
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.compression import parse_powersgd
 
 ENGINES = ("torch", "native", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
-COMPRESSIONS = (None, "bf16", "fp16", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -86,9 +85,9 @@ class EngineConfig:
         if self.engine == "fsdp":
             _check_fsdp(self)
         if isinstance(self.compression, str) and self.compression.startswith("powersgd:"):
-            parse_powersgd(self.compression)  # a bad rank or start is one line, here
+            powersgd_settings(self.compression)  # a bad rank or start is one line, here
         else:
-            choose("compression", self.compression, COMPRESSIONS)
+            choose("compression", self.compression, (None, *COMPRESSIONS))
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive, for example 25")
 
