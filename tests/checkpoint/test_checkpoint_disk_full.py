@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddpkit.checkpoint import DiskFullError, resolve_resume, save_checkpoint, verify_checkpoint
-from ddpkit.checkpoint.files import save_weights
+from ddpkit.checkpoint.files import save_state_dict_atomic
 from ddpkit.checkpoint.manifest import STATE, write_manifest
 
 
@@ -66,8 +66,8 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(small_disk):
 
 def test_a_full_disk_keeps_the_previous_model_file(small_disk):
     path = small_disk / "model.pt"
-    save_weights({"w": torch.ones(10)}, path)
+    save_state_dict_atomic({"w": torch.ones(10)}, path)
     with pytest.raises(DiskFullError, match=r"writing .*model\.pt: it needs about 1,600,000 bytes .* kept"):
-        save_weights({"w": torch.zeros(400_000)}, path)
+        save_state_dict_atomic({"w": torch.zeros(400_000)}, path)
     assert sorted(p.name for p in small_disk.iterdir()) == ["model.pt"]
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(10))

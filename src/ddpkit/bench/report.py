@@ -36,9 +36,9 @@ def format_time_us(us: float) -> str:
 def comm_header(meta: dict) -> str:
     """The lines above the table: what ran, how times were combined, and the column names."""
     sizes, ranks = meta["sizes"], meta["world_size"]
-    span = format_bytes(sizes[0])
+    span = size_label(sizes[0])
     if len(sizes) > 1:
-        span += f"..{format_bytes(sizes[-1])} ({len(sizes)} sizes)"
+        span += f"..{size_label(sizes[-1])} ({len(sizes)} sizes)"
     return (
         f"# ddpkit bench comm: {ranks} rank{'s' if ranks > 1 else ''}, "
         f"{meta['backend']} on {meta['device']}, "
@@ -87,7 +87,7 @@ def comm_summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_bytes(nbytes: int) -> str:
+def size_label(nbytes: int) -> str:
     """1024 -> 1K, 3 * 2**20 -> 3M; exact multiples only, else plain bytes."""
     for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if nbytes >= scale and nbytes % scale == 0:
@@ -149,7 +149,7 @@ def plot_comm(records: list[dict], png: Path, title: str) -> None:
     if copies:
         ax.plot(*zip(*copies, strict=True), "k--", label="memcpy (one rank)")
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(int(x))))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: size_label(int(x))))
     ax.set_yscale("log")
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")

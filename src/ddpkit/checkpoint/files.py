@@ -85,7 +85,7 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
-def save_weights(state: dict, path: Path) -> None:
+def save_state_dict_atomic(state: dict, path: Path) -> None:
     """Write a plain state_dict (CPU tensors) atomically: a crash mid-write leaves the old file.
 
     The result loads with ``torch.load(path, weights_only=True)``; the temporary file is removed

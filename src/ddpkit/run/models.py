@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint.dcp import is_sharded_entry
-from ddpkit.checkpoint.files import save_weights as save_atomic
+from ddpkit.checkpoint.files import save_state_dict_atomic
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
@@ -84,4 +84,4 @@ def save_weights(module: nn.Module, path: Path, env: DistEnv) -> None:
         state = module.state_dict()
     if env.is_rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_atomic(state, path)
+        save_state_dict_atomic(state, path)
