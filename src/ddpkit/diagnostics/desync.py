@@ -23,8 +23,10 @@ collective timeout.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+
+from ddpkit.diagnostics.hang_report import ranks_text
 
 # Collectives whose tensors have the same shapes and dtypes on every rank of a correct program, so
 # a difference there is a desync too (a rank-0-only metric all_reduce meeting the gradient one).
@@ -118,11 +120,6 @@ def find_desync(records: Mapping[int, Blocked], world_size: int) -> list[Blocked
     return None
 
 
-def _ranks(ranks: Iterable[int]) -> str:
-    ranks = list(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 def desync_line(records: Sequence[Blocked]) -> str:
     """The desync in one line: which ranks are in which collective, and at which line of the script.
 
@@ -136,7 +133,7 @@ def desync_line(records: Sequence[Blocked]) -> str:
     parts = []
     for (seq, op, where), ranks in sorted(groups.items(), key=lambda item: item[1][0]):
         verb = "is" if len(ranks) == 1 else "are"
-        parts.append(f"{_ranks(ranks)} {verb} in {op} #{seq}" + (f" at {where}" if where else ""))
+        parts.append(f"{ranks_text(ranks)} {verb} in {op} #{seq}" + (f" at {where}" if where else ""))
     return "desync (a collective only some ranks called): " + "; ".join(parts)
 
 

@@ -178,7 +178,7 @@ class HangWatchdog:
             if self._probe is not None:
                 self._probe.clear()  # a record left behind would count as blocked for ever
             # Tells a later report that this rank left the watched loop rather than froze.
-            self._publish(self._progress.state(self.env.rank, time.monotonic(), stopped=True))
+            self._publish(self._progress.state(self.env.rank, time.monotonic(), left=True))
         except Exception:
             # The watchdog must never take training down by itself.
             log.exception("hang watchdog failed; training continues unwatched")

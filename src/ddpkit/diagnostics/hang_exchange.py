@@ -1,7 +1,7 @@
 """What the ranks' hang watchdogs say to each other through the store, key by key.
 
-The keys, under ``hang_store.STORE_PREFIX`` (the launcher reads ``summary`` and ``request`` too,
-``launch.hang_monitor.watchdog_verdict``):
+The keys, under ``hang_store.STORE_PREFIX`` (the launchers read ``summary`` and ``request`` through
+``watchdog_verdict`` below, so this file alone knows them):
 
     state/RANK   each rank: its progress (a ``RankState``), whenever it changes.
     reporter     a counter: the rank whose ``add`` makes it 1 writes the report.
@@ -19,8 +19,10 @@ import json
 import time
 from dataclasses import asdict
 
+import torch.distributed as dist
+
 from ddpkit.diagnostics.hang_state import RankState
-from ddpkit.diagnostics.hang_store import BoundedStore
+from ddpkit.diagnostics.hang_store import STORE_PREFIX, BoundedStore
 
 REPORTER, REQUEST, SUMMARY = "reporter", "request", "summary"
 
@@ -95,3 +97,37 @@ class Exchange:
     def summarize(self, line: str, path: str) -> None:
         """The one line and the report's path, for the launcher."""
         self.store.call("set", SUMMARY, json.dumps({"reporter": self.rank, "line": line, "path": path}))
+
+
+def watchdog_verdict(store: dist.Store) -> str | None:
+    """The hang a rank's own HangWatchdog (``ddpkit train``, ``ddpkit.Run``) reported, in one line
+    naming the late ranks and the report, from the keys it set in the ranks' store; None if none did.
+
+    Args:
+        store: the ranks' store as the launcher holds it (the keys sit under the process group's
+            own prefix, which varies by launcher, then ``STORE_PREFIX``).
+    """
+    try:
+        found = {
+            name: k
+            for k in store.list_keys()
+            for name in (SUMMARY, REQUEST)
+            if k.endswith(f"{STORE_PREFIX}/{name}")
+        }
+        if SUMMARY in found:
+            return _verdict_line(json.loads(store.get(found[SUMMARY])))
+        if REQUEST in found:  # the reporter died before it could say more
+            reporter = int(store.get(found[REQUEST]))
+            return f"rank {reporter}'s hang watchdog reported a hang; its report is above"
+    except (RuntimeError, ValueError, KeyError):  # the store's host is gone: nothing to read
+        pass
+    return None
+
+
+def _verdict_line(summary: dict) -> str:
+    where = f"; the report is in {summary['path']}" if summary["path"] else ""
+    # A desync is not slowness: the ranks wait in different collectives, so no timeout would ever
+    # end it. Say what it is, not which timeout ran out.
+    desync = summary["line"].startswith("desync")
+    why = "" if desync else "a collective did not complete in time (the script's collective timeout): "
+    return f"{why}{summary['line']}{where} (written by rank {summary['reporter']}, which waited)"

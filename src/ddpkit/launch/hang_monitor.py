@@ -1,10 +1,10 @@
 """The launcher's hang monitor: ``ddpkit run --collective-timeout S`` for scripts that know nothing of it.
 
 A daemon thread beside torch's elastic agent, in the launcher process, which user code cannot
-block. Every ``poll_s`` it reads its node's workers (``workerview.LocalRanks``) and publishes
+block. Every ``poll_s`` it reads its node's workers (``workerview.WorkerProgress``) and publishes
 them in the round's worker store (``stores.FreshWorkerStore``), under ``ddpkit/run/``:
 
-    state/RANK   each launcher: its ranks' ``WorkerState``.
+    state/RANK   each launcher: its ranks' ``RankState``, seen from outside.
     request      node 0, on a hang: a number; each launcher answers with its ranks' stacks.
     stack/RANK   the answer: faulthandler's dump of every thread of the rank.
     verdict      node 0: the one-line attribution; every launcher then kills its workers,
@@ -18,7 +18,6 @@ exit code a script could also use.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -30,10 +29,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.hang_store import STORE_PREFIX as HANG_STORE_PREFIX
-from ddpkit.diagnostics.run_hang import WorkerState, auto_timeout, find_hang, format_report
+from ddpkit.diagnostics.hang_exchange import state_key, watchdog_verdict
+from ddpkit.diagnostics.hang_state import RankState
+from ddpkit.diagnostics.run_hang import auto_timeout, find_hang, format_report
 from ddpkit.launch.stores import UNREACHABLE_KEY
-from ddpkit.launch.workerview import LocalRanks, dump_stacks, is_our_worker
+from ddpkit.launch.workerview import WorkerProgress, dump_stacks, is_our_worker
 
 PREFIX = "ddpkit/run"
 STORE_TIMEOUT_S = 5.0
@@ -73,7 +73,7 @@ class HangMonitor:
         self._host_store: dist.Store | None = None
         self._quiet_until = 0.0
         self._seen_generation, self._answered, self._ended = 0, "", False
-        self._local = LocalRanks(run_dir)
+        self._local = WorkerProgress(run_dir)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -122,7 +122,7 @@ class HangMonitor:
         return None
 
     def watchdog_verdict(self) -> str | None:
-        """The hang a rank's own HangWatchdog reported in the last round (see ``watchdog_verdict``)."""
+        """The hang a rank's own HangWatchdog reported in the last round, read from its store keys."""
         return watchdog_verdict(self._worker_store) if self._worker_store is not None else None
 
     def start(self) -> HangMonitor:
@@ -155,7 +155,7 @@ class HangMonitor:
             self._local.reset()
         local = self._local.states()
         for state in local.values():
-            store.set(f"state/{state.rank}", state.to_json())
+            store.set(state_key(state.rank), state.to_json())
         self._answer(store)
         if self._ended:
             return
@@ -194,11 +194,11 @@ class HangMonitor:
         store.set("verdict", verdict)
         self._end(verdict, announce=self.announce)
 
-    def _states(self, store: dist.Store, world: int) -> dict[int, WorkerState]:
+    def _states(self, store: dist.Store, world: int) -> dict[int, RankState]:
         found = {}
         for rank in range(world):
-            if store.check([f"state/{rank}"]):
-                found[rank] = WorkerState.from_json(store.get(f"state/{rank}"))
+            if store.check([state_key(rank)]):
+                found[rank] = RankState.from_json(store.get(state_key(rank)))
         return found
 
     def _stacks(self, store: dist.Store, world: int) -> dict[int, str]:
@@ -229,31 +229,3 @@ class HangMonitor:
         for pid in self._local.pids().values():
             if is_our_worker(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def watchdog_verdict(store: dist.Store) -> str | None:
-    """The hang a rank's own HangWatchdog (``ddpkit train``, ``ddpkit.Run``) reported, in one line
-    naming the late ranks and the report, from the keys it set in the ranks' store; None if none did.
-    """
-    try:
-        keys = store.list_keys()
-        # The watchdog's keys sit under the process group's own prefix, which varies by launcher.
-        names = ("summary", "request")
-        found = {name: k for k in keys for name in names if k.endswith(f"{HANG_STORE_PREFIX}/{name}")}
-        if "summary" in found:
-            summary = json.loads(store.get(found["summary"]))
-            where = f"; the report is in {summary['path']}" if summary["path"] else ""
-            # A desync is not slowness: the ranks wait in different collectives, so no timeout
-            # would ever end it. Say what it is, not which timeout ran out.
-            why = (
-                ""
-                if summary["line"].startswith("desync")
-                else ("a collective did not complete in time (the script's collective timeout): ")
-            )
-            return f"{why}{summary['line']}{where} (written by rank {summary['reporter']}, which waited)"
-        if "request" in found:  # the reporter died before it could say more
-            reporter = int(store.get(found["request"]))
-            return f"rank {reporter}'s hang watchdog reported a hang; its report is above"
-    except (RuntimeError, ValueError, KeyError):  # the store's host is gone: nothing to read
-        pass
-    return None

@@ -13,18 +13,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.diagnostics.run_hang import WorkerState
+from ddpkit.diagnostics.hang_state import RankState
 
 # A real-time signal: no script or library uses one for itself (macOS has none: SIGUSR2 there).
 STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+# /proc/PID/stat's state letter, as the report says it.
 PROC_STATES = {
-    "R": "running", "S": "sleeping", "D": "in the kernel (D)", "T": "stopped (SIGSTOP)", "t": "stopped",
-}  # fmt: skip
+    "R": "running",
+    "S": "sleeping",
+    "D": "in the kernel (D)",
+    "T": "stopped (SIGSTOP)",
+    "t": "stopped",
+}
 
 
 @dataclass(frozen=True)
-class Progress:
-    """One line of ``progress-RANK``: ``PID SEQ WALL LEFT WORLD TIMEOUT``."""
+class ProgressLine:
+    """One line of ``progress-RANK``: ``PID SEQ WALL LEFT WORLD TIMEOUT`` (``launch/boot_progress.py``)."""
 
     pid: int
     seq: int
@@ -33,13 +38,13 @@ class Progress:
     group_timeout_s: float
 
 
-def read_progress(run_dir: Path) -> dict[int, Progress]:
+def read_progress(run_dir: Path) -> dict[int, ProgressLine]:
     """Each local rank's last record; a file caught mid-write is read again at the next poll."""
     found = {}
     for path in run_dir.glob("progress-*"):
         try:
             pid, seq, _, left, world, timeout = path.read_text().split()
-            progress = Progress(int(pid), int(seq), left == "1", int(world), float(timeout))
+            progress = ProgressLine(int(pid), int(seq), left == "1", int(world), float(timeout))
             found[int(path.name.split("-")[1])] = progress
         except (OSError, ValueError):
             continue
@@ -64,8 +69,9 @@ def is_our_worker(pid: int) -> bool:
     return stat is not None and stat[2] == os.getpid()
 
 
-class LocalRanks:
-    """Tracks this node's ranks from their progress files: when each last progressed, and its CPU."""
+class WorkerProgress:
+    """The collector outside the process: this node's workers' ``RankState`` from their progress
+    files and /proc, with when each last progressed and the CPU it used since."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -75,26 +81,33 @@ class LocalRanks:
     def reset(self) -> None:
         self._since.clear()
 
-    def states(self) -> dict[int, WorkerState]:
+    def states(self) -> dict[int, RankState]:
         now_mono, now_wall = time.monotonic(), time.time()
         return {
             rank: self._state(rank, progress, now_mono, now_wall)
             for rank, progress in read_progress(self.run_dir).items()
         }
 
-    def _state(self, rank: int, progress: Progress, now_mono: float, now_wall: float) -> WorkerState:
+    def _state(self, rank: int, progress: ProgressLine, now_mono: float, now_wall: float) -> RankState:
         stat = proc_stat(progress.pid) if is_our_worker(progress.pid) else None
         cpu = stat[1] if stat else 0.0
         pid, seq, mono, _, cpu0 = self._since.get(rank, (0, -2, now_mono, now_wall, cpu))
         if (pid, seq) != (progress.pid, progress.seq):
             mono, cpu0 = now_mono, cpu
             self._since[rank] = (progress.pid, progress.seq, mono, now_wall, cpu0)
-        return WorkerState(
-            rank=rank, world=progress.world, pid=progress.pid, host=self.host, seq=progress.seq,
-            left=progress.left, idle_s=now_mono - mono, cpu_s=max(0.0, cpu - cpu0),
+        return RankState.from_outside(
+            idle_s=now_mono - mono,
+            heard_wall=now_wall,
+            rank=rank,
+            seq=progress.seq,
+            pid=progress.pid,
+            host=self.host,
+            left=progress.left,
+            world=progress.world,
+            cpu_s=max(0.0, cpu - cpu0),
+            proc=PROC_STATES.get(stat[0], stat[0]) if stat else "exited",
             group_timeout_s=progress.group_timeout_s,
-            proc=PROC_STATES.get(stat[0], stat[0]) if stat else "exited", heard_wall=now_wall,
-        )  # fmt: skip
+        )
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of each local worker that is still our child."""
