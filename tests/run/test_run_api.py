@@ -269,3 +269,23 @@ def test_a_finished_run_lets_the_model_go(engine):
     del net, model, optimizer, run, x, y
     gc.collect()
     assert gone() is None
+
+
+def test_a_metrics_line_names_the_epoch_its_step_ran_in(tmp_path):
+    # An epoch's last step is logged at the next step's start (or the run's end), when the loader
+    # is on the next pass already: its line says the epoch of the step, not the loader's.
+    with ddpkit.Run(out=tmp_path, global_batch=4, progress=False, log_every=1) as run:
+        model = run.setup(_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.track(optimizer)
+        loader = run.loader(_data(8))
+        for epoch in range(2):
+            for x, y in loader:
+                optimizer.zero_grad()
+                run.backward(F.mse_loss(model(x), y))
+                optimizer.step()
+            run.log(val=float(epoch))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {line["step"]: line["epoch"] for line in lines if "loss" in line}
+    assert steps == {1: 0, 2: 0, 3: 1, 4: 1}
+    assert [(line["step"], line["epoch"]) for line in lines if "val" in line] == [(2, 0), (4, 1)]

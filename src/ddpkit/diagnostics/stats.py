@@ -64,11 +64,14 @@ class StepClock:
     def _graph_end(self) -> None:
         self._graph_done = time.perf_counter()
 
-    def backward(self, loss: Tensor) -> None:
-        """``loss.backward()``, its time split into local compute and comm wait."""
+    def backward_begins(self) -> float:
+        """Before a ``loss.backward()``: its start, to hand to ``backward_ended``."""
         self._graph_done, self._queued = 0.0, False
-        start = time.perf_counter()
-        loss.backward()
+        return time.perf_counter()
+
+    def backward_ended(self, start: float) -> None:
+        """After the ``loss.backward()`` that began at ``start``: its time after the local
+        gradients were done counts as comm wait."""
         if self._graph_done:
             end = time.perf_counter()
             self.comm_wait_s += end - min(max(self._graph_done, start), end)

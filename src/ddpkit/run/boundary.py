@@ -13,7 +13,6 @@ import logging
 
 from ddpkit.errors import ConfigError
 from ddpkit.run import checkpoints
-from ddpkit.run.engine import mark_step
 from ddpkit.run.preempt import exit_preempted
 
 log = logging.getLogger(__name__)
@@ -33,9 +32,8 @@ class StepBoundaries:
         self.source.advance_to(self.micro.consumed)
         self.monitor.samples_taken(self.step, self.indices)
         self.monitor.step_ended()
-        self.micro, self.open, self.unsettled = None, False, True
-        mark_step(self.models.values(), None)
-        self.gate.accumulating = self.gate.has_backward = False
+        self.micro, self.unsettled = None, True
+        self.state.open = self.state.accumulating = self.state.has_backward = False
 
     def finish(self, last: bool = False) -> None:
         """The boundary after the last step (its log line, fingerprint check, checkpoint, the
@@ -54,7 +52,9 @@ class StepBoundaries:
             self.gate.check_norms()  # nothing non-finite reaches a log line or a checkpoint
         # The signal rides on the log gather, which is read at the next step's end: every rank
         # then reads the same maximum, so all stop at that step.
-        logged = self.monitor.step_done(self.step, ended, last, self._extra, self.preemption.received)
+        logged, gathering = self.monitor.step_done(
+            self.step, ended, last, self._extra(), self.preemption.received
+        )
         number = 0
         if logged is not None:
             record, number = logged
@@ -75,7 +75,7 @@ class StepBoundaries:
             self.checkpoint(final=last)
         if not ended or last:
             return
-        if not number and self.monitor.logged_step != self.step:  # else it rides on this step's gather
+        if not number and not gathering:  # else it rides on this step's gather
             number = self.preemption.agreed(self.step)
         if number:
             self._preempted(number)
@@ -95,7 +95,7 @@ class StepBoundaries:
             self.preemption.pace(record["step_s"], self.monitor.every)
 
     def _extra(self) -> dict:
-        extra = {"epoch": self.source.epoch if self.source is not None else 0}
+        extra = {"epoch": self.state.epoch}  # the step's own, not the pass the loader is on now
         # The rate the step ran at: a scheduler stepped after the optimizer has set the next one.
         lr = {"lr": self.gate.last_lr} if self.gate.last_lr is not None else {}
         return extra | {"skipped_steps": self.gate.skipped_steps} | lr

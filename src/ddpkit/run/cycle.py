@@ -32,9 +32,8 @@ from ddpkit.run import checkpoints, notices
 from ddpkit.run.boundary import StepBoundaries
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.draws import SampleDraws
-from ddpkit.run.engine import mark_step, set_grad_sync
+from ddpkit.run.engine import set_grad_sync
 from ddpkit.run.forward_order import agree_before_backward
-from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.losses import StepLosses, check_differentiable
 from ddpkit.run.micro import Micro, to_device, tokens_in
 from ddpkit.run.monitor import Monitor
@@ -51,7 +50,7 @@ class StepCycle(StepBoundaries):
     Args:
         session: the process group, OUT's lock and the checkpoint to restore.
         monitor: timings, metrics lines, progress bar and the hang watchdog's phases.
-        gate: what the gated optimizers read; holds the fp16 GradScaler.
+        gate: what the gated optimizers read (built on this cycle's ``state`` and ``held``).
         objects: name -> what a checkpoint holds; models: name -> wrapped model (filled by Run).
         out: the run's folder (None: no files).
         ckpt_cfg: when to checkpoint, and the preemption signals.
@@ -60,30 +59,54 @@ class StepCycle(StepBoundaries):
     """
 
     def __init__(
-        self, session: Session, monitor: Monitor, gate: OptimizerGate, objects: dict[str, Any],
-        models: dict[str, nn.Module], out: Path | None, ckpt_cfg: CheckpointConfig, steps: int | None,
+        self,
+        session: Session,
+        monitor: Monitor,
+        gate: OptimizerGate,
+        objects: dict[str, Any],
+        models: dict[str, nn.Module],
+        out: Path | None,
+        ckpt_cfg: CheckpointConfig,
+        steps: int | None,
         draws: SampleDraws,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.session, self.env, self.monitor, self.gate = session, session.env, monitor, gate
-        self.objects, self.models, self.out, self.ckpt_cfg, self.steps = objects, models, out, ckpt_cfg, steps
-        self.step = self.saved_step = session.saved["step"] if session.saved is not None else 0
+        self.objects, self.models, self.out = objects, models, out
+        self.ckpt_cfg, self.steps, self.draws = ckpt_cfg, steps, draws
+        # The step state: written here (and in boundary.py) alone, read by the gate, the engines
+        # and the EMAs, which were handed the same object.
+        self.state, self.held = gate.state, gate.held
+        self.state.step = self.saved_step = session.saved["step"] if session.saved is not None else 0
         self.saves: tuple[int, Any] = (0, None)  # checkpoints this process wrote, and the last
         self.writer = BackgroundWriter() if ckpt_cfg.async_save else None  # rank 0's, async_save
-        self.epoch = 0  # the epoch of the last step begun
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
-        # unsettled: a closed step whose boundary (log, check, checkpoint) has not run yet.
-        self.open = self.save_now = self.started = self.closed = self.unsettled = self.final = False
+        self.save_now = self.started = self.closed = self.final = False
+        self.unsettled = False  # a closed step whose boundary (log, check, checkpoint) has not run
         # Between steps (before the loop's first and after each epoch's last) every rank is at the
         # same point, so run.log values from there are gathered for a line of their own.
         self.outside = True
-        self.held = gate.held = HeldGrads(models)
-        self.losses, self.draws = StepLosses(self.env), draws
+        self.losses = StepLosses(self.env)
         self.cut: Micro | None = None  # the micro-batch the loop left its loader at, mid-step
         self.resumed_at, self.warned_budget, self.warned_stale = self.step, False, False
         self.indices: list[int] = []
         self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
         self.replicas = ReplicaCheck(self.env, monitor.phase, models)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps begun (the step state's)."""
+        return self.state.step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last step begun."""
+        return self.state.epoch
+
+    @property
+    def open(self) -> bool:
+        """Inside a step."""
+        return self.state.open
 
     @property
     def at_step_end(self) -> bool:
@@ -99,13 +122,18 @@ class StepCycle(StepBoundaries):
         micros = source.start_pass()
         self.monitor.epoch_started(source.epoch, source.steps_done, source.steps_per_epoch, self.steps)
         move = self.env.device.type != "cpu"  # the DataLoader's batches are on the CPU already
+        agreement = source.agreement  # the collective a source makes before each step (a stream's)
+        step_next = True  # the next item opens a step
         while True:
+            if agreement is not None and step_next:  # the hang watchdog names it if it waits
+                self.monitor.phase(self.step, agreement)
             began = time.perf_counter()
             item = next(micros, None)  # a stream reads its step and agrees on it here: data too
             waited = time.perf_counter() - began
             if item is None:
                 break
             micro, fetch = item
+            step_next = micro.last
             if micro.first and not self.begin(source):
                 return  # the run's step limit is reached
             began = time.perf_counter()
@@ -144,20 +172,19 @@ class StepCycle(StepBoundaries):
         if self.outside:
             self.flush_between()
             self.outside = False
-        self.epoch, self.source, self.step = source.epoch, source, self.step + 1
-        self.open, self.indices = True, []
+        state, self.source, self.indices = self.state, source, []
+        state.step, state.epoch, state.open, state.micro_batches = state.step + 1, source.epoch, True, 0
+        state.has_backward = False
         self.losses.reset()
-        self.gate.has_backward, self.gate.stepped, self.gate.step = False, False, self.step
-        mark_step(self.models.values(), self.step)
         self.monitor.phase(self.step, "forward/backward: gradient all-reduce")
         return True
 
     def enter(self, micro: Micro, tokens: int = 0) -> None:
         """The loop is about to get ``micro``'s batch (of ``tokens`` tokens that count)."""
         self.micro = micro
-        self.gate.deferred = False
+        self.state.micro_batches += 1
+        self.state.accumulating = not micro.last
         self.draws.enter(self.step, micro)
-        self.gate.accumulating = not micro.last
         self.monitor.micro_batch(micro.samples, tokens)
         if micro.samples and self.monitor.cfg.log_samples:
             self.indices += micro.indices
@@ -170,15 +197,15 @@ class StepCycle(StepBoundaries):
         agree_before_backward(list(self.models.values()))  # fsdp over gloo: every rank's forwards done
         micro = self.micro
         if micro is None:  # outside a run.loader loop: a plain backward
-            self.gate.has_backward = True
-            self.monitor.backward(self.gate.scaler.scale(loss / count if count is not None else loss))
+            self.state.has_backward = True
+            self._backward(loss / count if count is not None else loss)
             return
         scale = self.losses.add(loss, reduction, count, micro, self.monitor)
-        if self.gate.deferred and not micro.last:
+        if self.gate.waited and not micro.last:
             self._warn_stale()
-        self.gate.has_backward = True
+        self.state.has_backward = True
         self.held.restore(micro.last)  # the step's earlier micro-batches' gradients, to add to
-        self.monitor.backward(self.gate.scaler.scale(loss * scale if scale != 1.0 else loss))
+        self._backward(loss * scale if scale != 1.0 else loss)
         if not micro.last:
             # Until the step's last backward, p.grad is None: a clip_grad_norm_ or any other edit
             # the user's loop makes before optimizer.step() then acts on the whole step's
@@ -186,6 +213,13 @@ class StepCycle(StepBoundaries):
             self.held.hold()
         elif count is not None:  # now that the gradient is the step's sum: over the global count
             self.losses.divide(self.models.values())
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """The backward pass (fp16: of the scaled loss), its local part timed for the comm-wait split."""
+        clock = self.monitor.clock
+        began = clock.backward_begins()
+        self.gate.scaler.scale(loss).backward()
+        clock.backward_ended(began)
 
     def _warn_stale(self) -> None:
         if self.env.is_rank0 and not self.warned_stale:

@@ -30,10 +30,20 @@ from ddpkit.run.materialize import has_meta
 from ddpkit.run.precision import autocast_forward
 from ddpkit.run.recompute import checkpoint_modules
 from ddpkit.run.sharded import is_sharded, set_sync, shard
+from ddpkit.run.step_state import StepState
 
 
-def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig, draws: SampleDraws | None = None) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    env: DistEnv,
+    cfg: EngineConfig,
+    draws: SampleDraws | None = None,
+    state: StepState | None = None,
+) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in the engine; rank 0's weights win.
+
+    ``state`` is the run's step state, which the wrapper reads to tell a change of
+    ``requires_grad`` between steps from one inside a step (without one: always between steps).
 
     Raises:
         ConfigError: fp16 or SyncBatchNorm on a CPU, or a model without trainable parameters.
@@ -59,9 +69,12 @@ def wrap(model: nn.Module, env: DistEnv, cfg: EngineConfig, draws: SampleDraws |
     trainable = tuple(p.requires_grad for p in model.parameters())  # what the engine will sync
     engines = {"native": _native, "fsdp": shard, "torch": _TorchEngine}
     alone = env.world_size == 1 and cfg.engine != "fsdp" and cfg.compression is None
-    wrapped = _Local(model, cfg.find_unused_parameters) if alone else engines[cfg.engine](model, env, cfg)
-    wrapped.ddpkit_trainable, wrapped.ddpkit_step, wrapped.ddpkit_forward_step = trainable, None, None
-    wrapped.__dict__["ddpkit_params"] = list(model.parameters())  # read every forward: made once
+    state = state or StepState()
+    wrapped = (
+        _Local(model, cfg.find_unused_parameters, state) if alone else engines[cfg.engine](model, env, cfg)
+    )
+    if isinstance(wrapped, _RunEngine):  # fsdp's model follows requires_grad by itself
+        wrapped.follow(state, trainable)
     if cfg.precision != "fp32" and cfg.engine != "fsdp":  # fsdp's precision is its own policy
         dtype = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
         # An instance attribute shadows the class's forward: nn.Module.__call__ calls self.forward.
@@ -108,6 +121,12 @@ class _RunEngine:
                 raise
             raise unused_error(names, type(unwrap(self)).__name__) from None
 
+    def follow(self, state: StepState, trainable: tuple[bool, ...]) -> None:
+        """Read the run's step ``state`` from here on; ``trainable`` is what the engine syncs now."""
+        # Plain attributes, set in __dict__: nn.Module's __setattr__ costs microseconds a step.
+        self.__dict__.update(_run_state=state, _run_trainable=trainable, _run_forward_step=None)
+        self.__dict__["_run_params"] = list(self.module.parameters())  # read every forward: made once
+
     @eager
     def _follow_trainable(self) -> bool:
         """Re-plan the engine when what requires grad changed since the last training forward.
@@ -118,21 +137,22 @@ class _RunEngine:
         the same forward. A change in the middle of a step (after its first forward) would leave
         the step's earlier micro-batches out of the new parameters' gradients: one line instead.
         """
-        # Between steps (None), or this step's first training forward: a change is the user's
-        # freezing or unfreezing after an epoch or before a step; later in a step it is not.
-        first = self.ddpkit_step is None or self.ddpkit_step != self.ddpkit_forward_step
-        self.__dict__["ddpkit_forward_step"] = self.ddpkit_step  # nn.Module's __setattr__ is slow
-        now = tuple(p.requires_grad for p in self.ddpkit_params)
-        if now == self.ddpkit_trainable:
+        # Between steps, or this step's first training forward: a change is the user's freezing
+        # or unfreezing after an epoch or before a step; later in a step it is not.
+        step = self._run_state.step if self._run_state.open else None
+        first = step is None or step != self._run_forward_step
+        self.__dict__["_run_forward_step"] = step
+        now = tuple(p.requires_grad for p in self._run_params)
+        if now == self._run_trainable:
             return True
         if not any(now):
             return False  # nothing to sync; a backward with nothing trainable is run.backward's line
         model = type(unwrap(self)).__name__
         if not first:
-            raise trainable_error(self.module, self.ddpkit_trainable, model, self.ddpkit_step)
+            raise trainable_error(self.module, self._run_trainable, model, step)
         self.replan()
-        self.ddpkit_trainable = now
-        where = "between steps" if self.ddpkit_step is None else f"step {self.ddpkit_step}"
+        self.__dict__["_run_trainable"] = now
+        where = "between steps" if step is None else f"step {step}"
         if dist.get_rank() == 0:
             print(
                 f"ddpkit: {where}: {model} now trains {sum(now)} of {len(now)} "
@@ -164,7 +184,7 @@ class _TorchEngine(_RunEngine, DistributedDataParallel):
         )
         if cfg.compression is not None:
             self.register_comm_hook(*_torch_hook(cfg.compression))
-        self.ddpkit_rebuild = (env, cfg)
+        self._run_rebuild = (env, cfg)
 
     def replan(self) -> None:
         """torch's DDP takes its parameters once, in its constructor: built again in place (the
@@ -173,7 +193,7 @@ class _TorchEngine(_RunEngine, DistributedDataParallel):
         desync, must wait in the next all-reduce, where the hang reports find it). The no_sync
         state is this step's and stays."""
         sync = self.require_backward_grad_sync, self.require_forward_param_sync
-        _TorchEngine.__init__(self, self.module, *self.ddpkit_rebuild, init_sync=False)
+        _TorchEngine.__init__(self, self.module, *self._run_rebuild, init_sync=False)
         self.require_backward_grad_sync, self.require_forward_param_sync = sync
 
 
@@ -247,10 +267,3 @@ def local_forwards(models: list[nn.Module]) -> Iterator[None]:
     finally:
         for model, flag, value in saved:
             setattr(model, flag, value)
-
-
-def mark_step(models: Iterable[nn.Module], step: int | None) -> None:
-    """Tell each engine the step whose training forwards come next, None between steps (see
-    ``_follow_trainable``)."""
-    for model in models:
-        model.__dict__["ddpkit_step"] = step  # nn.Module's __setattr__ costs microseconds a step

@@ -22,6 +22,7 @@ from torch import nn
 
 from ddpkit.parallel.errors import DataParallelError
 from ddpkit.parallel.sync import call_module, eager
+from ddpkit.run.step_state import StepState
 
 WATCHED_STEPS = 3  # steps whose backward passes are checked for parameters without a gradient
 
@@ -32,11 +33,16 @@ class LocalEngine(nn.Module):
     Args:
         module: the model (on its device already).
         find_unused_parameters: a backward may leave parameters out (no check).
+        state: the run's step state, read to stop the check after the first steps (None: the
+            check never stops).
     """
 
-    def __init__(self, module: nn.Module, find_unused_parameters: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, find_unused_parameters: bool = False, state: StepState | None = None
+    ) -> None:
         super().__init__()
         self.module = module
+        self._steps = state
         # What an engine reads before a forward or backward: nothing to sync here.
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -62,8 +68,7 @@ class LocalEngine(nn.Module):
                 raise error
         self._got.clear()
         self._armed = torch.is_grad_enabled()
-        step = getattr(self, "ddpkit_step", None)  # set by the step cycle
-        if step is not None and step > WATCHED_STEPS:
+        if self._steps is not None and self._steps.step > WATCHED_STEPS:
             self._watching = False
             self.replan()
 

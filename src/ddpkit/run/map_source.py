@@ -80,6 +80,7 @@ class MapSource:
     """
 
     per_rank_state = False  # the position is the world's, the same on every rank
+    agreement = None  # no collective before a step: every rank knows the epoch's steps
 
     def __init__(
         self, dataset: Dataset, sampler: GlobalBatchSampler, micro_batch: int | None, dataloader_kwargs: dict

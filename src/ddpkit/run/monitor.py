@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -167,10 +166,6 @@ class Monitor:
         """A backward's loss, for the metrics line: ``weight x loss`` over ``denom`` (see Window)."""
         self.window.add_loss(loss, weight, denom)
 
-    def backward(self, loss: Tensor) -> None:
-        """Run backward of ``loss``, timing its local part (for the comm-wait split)."""
-        self.clock.backward(loss)
-
     def add_user(self, name: str, value: float | Tensor, weight: float, reduce: str, step: int) -> None:
         """A run.log value, weighted by the samples behind it: for the window's line, or (``step``
         -1: between steps) for a line of its own. See ``gather_means``."""
@@ -194,19 +189,21 @@ class Monitor:
             self.bar.update(1)
 
     def step_done(
-        self, step: int, ended: bool, last: bool, extra: Callable[[], dict], signal: int = 0
-    ) -> tuple[dict, int] | None:
+        self, step: int, ended: bool, last: bool, extra: dict, signal: int = 0
+    ) -> tuple[tuple[dict, int] | None, bool]:
         """At the boundary after a step (``ended``), or at the run's end: start this step's log
-        gather when due, and finish the previous one. Returns the finished one's record and the
-        largest preemption ``signal`` any rank sent with it. Collective when due: every rank
-        reaches the same steps."""
+        gather when due (its line gets ``extra``: epoch, rate), and finish the previous one.
+        Returns the finished one's record and the largest preemption ``signal`` any rank sent
+        with it (or None), and whether this step's gather started now (the signal rides on it).
+        Collective when due: every rank reaches the same steps."""
         logged = self._finish_gather() if self.gather.pending is not None else None
         due = ended and (step % self.every == 0 or step == 1)
-        if (due or last) and step != self.logged_step and step != self.start_step:
-            self._start_gather(step, extra(), signal)
+        gathering = (due or last) and step != self.logged_step and step != self.start_step
+        if gathering:
+            self._start_gather(step, extra, signal)
             if last:  # nothing follows to finish it
                 logged = self._finish_gather()
-        return logged
+        return logged, gathering
 
     def flush(self) -> None:
         """Write the log line still in flight, when every rank is known to wait for it too (a

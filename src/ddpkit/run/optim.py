@@ -11,9 +11,10 @@ Lightning Fabric swaps ``__class__`` the same way; Accelerate wraps the optimize
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,42 +23,71 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import OptimConfig
 from ddpkit.run.ema import EMA
+from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.norms import NormWatch
+from ddpkit.run.step_state import StepState
 
 log = logging.getLogger(__name__)
 
 
 class OptimizerGate:
-    """What the gated optimizers and schedulers of one run read, and the policy of a real step.
+    """What the gated optimizers, schedulers and EMAs of one run read, and the policy of a real step.
 
-    The step cycle, its owner, sets ``accumulating`` (a step's micro-batch before its last:
-    ``step()`` waits) and ``has_backward`` (a backward ran in the open step: ``zero_grad()`` keeps
-    the gradients) and reads the counters. A gated optimizer's real step comes here:
-    unscale (fp16), clip, and stop or skip on a non-finite norm.
+    They read the run's step state (``state.accumulating``: a step's micro-batch before its last,
+    so ``step()`` waits; ``state.has_backward``: a backward ran in the open step, so
+    ``zero_grad()`` keeps the gradients), which the step cycle alone writes. What they do, the
+    gate records with the step it happened at, for the cycle to read. A gated optimizer's real
+    step comes here: unscale (fp16), clip, and stop or skip on a non-finite norm.
 
     Args:
         cfg: clipping and non-finite gradients.
         scaler: the fp16 GradScaler (disabled otherwise).
+        state: the run's step state.
+        held: the step's held gradients (run/held_grads.py): gated steps and zero_grads tell it.
     """
 
-    def __init__(self, cfg: OptimConfig, scaler: torch.amp.GradScaler) -> None:
-        self.cfg, self.scaler = cfg, scaler
-        self.accumulating = self.has_backward = False
-        self.stepped = False  # a tracked optimizer stepped in the open step
-        self.step = 0  # the run's step, for messages
+    def __init__(
+        self, cfg: OptimConfig, scaler: torch.amp.GradScaler, state: StepState, held: HeldGrads
+    ) -> None:
+        self.cfg, self.scaler, self.state, self.held = cfg, scaler, state, held
         self.skipped_steps = 0
         self.last_lr: float | None = None  # the first optimizer's rate at its last real step
         self.lr_optimizer: torch.optim.Optimizer | None = None  # the first tracked optimizer
-        self.held: Any = None  # the step cycle's HeldGrads: gated steps and zero_grads tell it
-        self.deferred = False  # a tracked optimizer's step waited in this micro-batch
         self.norms = NormWatch()  # on_nonfinite="stop": each step's norm, read a step later
+        self.inner = False  # the GradScaler (or DCP) calling a gated optimizer's own step
+        self._stepped_at = -1  # the step a tracked optimizer last really stepped in
+        self._waited_at = (-1, -1)  # (step, micro-batch) a tracked optimizer's step last waited in
+        self._stepped: set[int] = set()  # ids of the optimizers stepped since their zero_grad
+
+    @property
+    def stepped(self) -> bool:
+        """A tracked optimizer stepped in the open (or last) step."""
+        return self._stepped_at == self.state.step
+
+    @property
+    def waited(self) -> bool:
+        """A tracked optimizer's step waited in this micro-batch (its weights are a step behind)."""
+        return self._waited_at == (self.state.step, self.state.micro_batches)
+
+    def wait(self) -> None:
+        """A tracked optimizer's step came before the step's last micro-batch, and waits."""
+        self._waited_at = (self.state.step, self.state.micro_batches)
+
+    def keeps_grads(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer.zero_grad()`` must keep the gradients: a backward ran in the open
+        step and this optimizer has not stepped since its last zero_grad (else they are cleared)."""
+        if self.state.has_backward and id(optimizer) not in self._stepped:
+            return True
+        self._stepped.discard(id(optimizer))
+        return False
 
     def track(self, obj: object) -> None:
         """Gate an optimizer, LR scheduler or EMA (other objects are left alone); the first
         optimizer's rate is the one metrics lines show."""
         gate(obj, self)
         if isinstance(obj, EMA):
-            obj.accumulating = lambda: self.accumulating
+            state = self.state
+            obj.accumulating = lambda: state.accumulating
         if self.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
             self.lr_optimizer = obj
 
@@ -65,7 +95,7 @@ class OptimizerGate:
         """At a step's end: a backward without any tracked optimizer's step is a loop's own
         accumulation, refused at its first step unless ``allow_unstepped``; a loop that left in
         the middle of a step (``cut``: the micro-batch it left at) is told that instead."""
-        if self.has_backward and not self.stepped and self.lr_optimizer is not None:
+        if self.state.has_backward and not self.stepped and self.lr_optimizer is not None:
             if cut is not None:
                 raise ConfigError(
                     f"the loop left run.loader's loop in the middle of step {step} (a break after a "
@@ -92,22 +122,21 @@ class OptimizerGate:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable, closure: Any) -> Any:
         """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
-        self.stepped = True
+        step_number = self.state.step
+        self._stepped_at = step_number
+        self._stepped.add(id(optimizer))
         if self.last_lr is None or optimizer is self.lr_optimizer:
             self.last_lr = optimizer.param_groups[0]["lr"]
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)  # clip and check the true gradient
         norm = total_norm(optimizer_params(optimizer), self.cfg.grad_clip)
         if self.scaler.is_enabled():  # the GradScaler skips non-finite steps itself
-            optimizer.ddpkit_inner = True
-            try:
+            with ungated(optimizer):
                 return self.scaler.step(optimizer)
-            finally:
-                optimizer.ddpkit_inner = False
         # The norm is of the all-reduced gradient, the same on every rank: all decide alike.
         if self.cfg.on_nonfinite == "stop":  # read a step later, never waited for here (norms.py)
-            self.check_norms(before=self.step)
-            self.norms.add(self.step, norm)
+            self.check_norms(before=step_number)
+            self.norms.add(step_number, norm)
             return step(closure)
         # Skipping decides before the step: one .item(), the host sync torch's GradScaler makes too.
         value = norm.item()
@@ -115,7 +144,7 @@ class OptimizerGate:
             return step(closure)
         self.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
-        log.warning("step %d: gradient norm is %s; optimizer step skipped", self.step, value)
+        log.warning("step %d: gradient norm is %s; optimizer step skipped", step_number, value)
         return None
 
 
@@ -126,23 +155,22 @@ class _GatedOptimizer:
 
     def step(self, closure: Callable | None = None) -> Any:
         gate = self.ddpkit_gate
-        if gate.accumulating:  # not the step's last micro-batch: keep accumulating
-            gate.held.close(_params(self))  # what reaches its parameters now is after its step
-            gate.deferred = True
-            return None
-        if getattr(self, "ddpkit_inner", False):  # the GradScaler calling back in
+        if gate.inner:  # the GradScaler (or DCP) calling back in
             return super().step(closure)
+        if gate.state.accumulating:  # not the step's last micro-batch: keep accumulating
+            gate.held.close(_params(self))  # what reaches its parameters now is after its step
+            gate.wait()
+            return None
         self._opt_called = True  # what torch's LR schedulers check before warning
-        self.ddpkit_stepped = True
         return gate.optimizer_step(self, super().step, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Clear only at a step boundary: before the step's first backward, or once this
         # optimizer has stepped. In between, the micro-batches' gradients are accumulating.
-        if self.ddpkit_gate.has_backward and not getattr(self, "ddpkit_stepped", False):
-            self.ddpkit_gate.held.reopen(_params(self))  # drops what came after its last step
+        gate = self.ddpkit_gate
+        if gate.keeps_grads(self):
+            gate.held.reopen(_params(self))  # drops what came after its last step
             return
-        self.ddpkit_stepped = False
         super().zero_grad(set_to_none)
 
     def __reduce_ex__(self, protocol: int) -> Any:
@@ -161,7 +189,7 @@ class _GatedScheduler:
     ddpkit_gate: OptimizerGate
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.ddpkit_gate.accumulating:
+        if self.ddpkit_gate.state.accumulating:
             return None
         return super().step(*args, **kwargs)
 
@@ -181,7 +209,7 @@ class _GatedAverage:
     ddpkit_gate: OptimizerGate
 
     def update_parameters(self, model: nn.Module) -> None:
-        if self.ddpkit_gate.accumulating:
+        if self.ddpkit_gate.state.accumulating:
             return None  # not the step's last micro-batch: the weights have not moved
         return super().update_parameters(model)
 
@@ -228,6 +256,22 @@ def gate(obj: object, owner: OptimizerGate) -> None:
         _CLASSES[cls] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
     obj.__class__ = _CLASSES[cls]
     obj.ddpkit_gate = owner
+
+
+@contextlib.contextmanager
+def ungated(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Calls of a tracked optimizer's ``step`` inside run its own step as is, past the gate: the
+    GradScaler's after it unscaled, or the one at lr 0 by which torch initializes an optimizer
+    without state before loading a sharded state into it (neither is the run's step)."""
+    gate = getattr(optimizer, "ddpkit_gate", None)
+    if gate is None:  # not tracked: its step is its own already
+        yield
+        return
+    gate.inner = True
+    try:
+        yield
+    finally:
+        gate.inner = False
 
 
 def total_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

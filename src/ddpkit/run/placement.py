@@ -23,6 +23,7 @@ from ddpkit.run.models import check_same_model, load_weights
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.session import Session
 from ddpkit.run.sharded_state import load_model
+from ddpkit.run.step_state import StepState
 
 
 def place_model(
@@ -33,6 +34,7 @@ def place_model(
     cfg: EngineConfig,
     draws: SampleDraws,
     monitor: Monitor,
+    state: StepState,
     weights: str | Path | None,
     init: Callable[[nn.Module], object] | None,
 ) -> nn.Module:
@@ -48,7 +50,7 @@ def place_model(
     plan.before_wrap(unwrap(model), lambda m: load_weights(m, saved, name, resume_path))
     if env.world_size > 1:  # before the engine's hooks, which wait for the all-reduce
         monitor.watch(model)
-    wrapped = wrap(model, env, cfg, draws)
+    wrapped = wrap(model, env, cfg, draws, state)
     plan.after_wrap(unwrap(wrapped))
     load_model(resume_path, name, saved, unwrap(wrapped))  # a sharded checkpoint's
     return wrapped

@@ -30,6 +30,7 @@ from ddpkit.run.draws import SampleDraws
 from ddpkit.run.ema import save_final
 from ddpkit.run.engine import local_forwards, unwrap
 from ddpkit.run.evaluate import evaluate
+from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.loader import Loader, make_source
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
@@ -39,6 +40,7 @@ from ddpkit.run.position import RunPosition
 from ddpkit.run.registry import DictState, kind_of, new_name
 from ddpkit.run.seeding import seed_everything
 from ddpkit.run.session import Session
+from ddpkit.run.step_state import StepState
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class Run(RunPosition, PerSample):
         self._scaler = torch.amp.GradScaler(self.device.type, enabled=self._engine_cfg.precision == "fp16")
         if self._scaler.is_enabled():  # its scale and growth tracker resume with the run
             self._objects["grad_scaler"] = self._scaler
-        self._gate = OptimizerGate(self._optim_cfg, self._scaler)
+        gate = OptimizerGate(self._optim_cfg, self._scaler, StepState(), HeldGrads(self._models))
         try:
             self._session.open(self.out, self._ckpt_cfg, steps)
             configs = (
@@ -124,7 +126,7 @@ class Run(RunPosition, PerSample):
         self._cycle = StepCycle(
             self._session,
             self._monitor,
-            self._gate,
+            gate,
             self._objects,
             self._models,
             self.out,
@@ -156,7 +158,7 @@ class Run(RunPosition, PerSample):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"run.setup takes an nn.Module, got {type(model).__name__}: {model!r:.60}")
         name = self._new_name(name, "model")
-        parts = (self.env, self._engine_cfg, self._draws, self._monitor)
+        parts = (self.env, self._engine_cfg, self._draws, self._monitor, self._cycle.state)
         wrapped = place_model(model, name, self._session, *parts, weights, init)
         self._models[name], self._objects[name] = wrapped, unwrap(wrapped)
         self.track(*optimizers)
@@ -178,7 +180,7 @@ class Run(RunPosition, PerSample):
                     f"got {type(obj).__name__}"
                 )
             self._new_name(name, name)
-            self._gate.track(obj)
+            self._cycle.gate.track(obj)
             notices.remember_settings(obj)
             self._objects[name] = obj
 
@@ -201,7 +203,7 @@ class Run(RunPosition, PerSample):
             raise ConfigError(
                 "a run has one training loader; evaluate other data with run.evaluate(dataset, fn)"
             )
-        source = make_source(data, dataloader_kwargs, self._data_cfg, self.env, self.seed, self._phase)
+        source = make_source(data, dataloader_kwargs, self._data_cfg, self.env, self.seed)
         self._new_name("loader", "loader")
         self._objects["loader"] = source
         if (position := self._session.saved_state("loader")) is not None:
@@ -261,12 +263,9 @@ class Run(RunPosition, PerSample):
     def evaluate(self, dataset: Dataset, fn: Any, **kwargs: Any) -> dict[str, float]:
         """Exact mean (``reduce="sum"``: sum) over ``dataset`` of ``fn(batch)``, a batch's mean (or a
         dict of them), each sample once, models in eval mode, draws seeded per sample (evaluate.py)."""
-        self._phase("eval: metric sums all_gather")
+        self._monitor.phase(self._cycle.step, "eval: metric sums all_gather")
         with local_forwards(list(self._models.values())):
             return evaluate(dataset, fn, self.env, list(self._models.values()), seed=self.seed, **kwargs)
-
-    def _phase(self, name: str) -> None:
-        self._monitor.phase(self._cycle.step, name)
 
     # --- the end -------------------------------------------------------------------------------
 

@@ -10,8 +10,6 @@ another number of ranks, or unsharded (a fsdp checkpoint resumes a torch or nati
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from torch import nn
 from ddpkit.checkpoint.dcp import is_sharded_entry, load_sharded, saved_keys
 from ddpkit.errors import ConfigError
 from ddpkit.run.ema import EMA
+from ddpkit.run.optim import ungated
 from ddpkit.run.sharded import is_sharded, reshard
 
 
@@ -50,25 +49,14 @@ class OptimizerState:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        with _ungated(self.optimizer):
+        with ungated(self.optimizer):
             return get_optimizer_state_dict(self.module, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        with _ungated(self.optimizer):
+        with ungated(self.optimizer):
             set_optimizer_state_dict(self.module, self.optimizer, state)
-
-
-@contextlib.contextmanager
-def _ungated(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    # torch initializes an optimizer without state by a step at lr 0; that step is not the run's
-    # (no clip, no step counted), so it bypasses the gate as the GradScaler's own call does.
-    optimizer.ddpkit_inner = True
-    try:
-        yield
-    finally:
-        optimizer.ddpkit_inner = False
 
 
 def sharded_parts(objects: dict[str, Any], spread: bool = False) -> dict[str, Any]:

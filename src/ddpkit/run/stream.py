@@ -95,10 +95,12 @@ class StreamSource:
         global_batch: samples per step over all ranks.
         micro_batch: samples per forward/backward on one rank; None: the whole share.
         kwargs: torch DataLoader arguments.
-        phase: tells the hang watchdog which collective comes next.
     """
 
     per_rank_state = True  # a checkpoint holds each rank's position (checkpoints.save gathers them)
+    # The collective before each step's first micro-batch (``_everyone_has``): the step cycle
+    # names it to the hang watchdog before it asks for the step.
+    agreement = "data: every rank has a full share, all_reduce"
 
     def __init__(
         self,
@@ -107,7 +109,6 @@ class StreamSource:
         global_batch: int,
         micro_batch: int | None,
         kwargs: dict,
-        phase: Callable[[str], None],
     ) -> None:
         share = global_batch // env.world_size
         size = micro_batch or share
@@ -117,7 +118,6 @@ class StreamSource:
                 f"use a divisor of {share}"
             )
         self.env, self.global_batch, self.size, self.per_step = env, global_batch, size, share // size
-        self.phase = phase
         self.stateful = has_state(source)
         part = rank_part(source, env.rank, env.world_size)
         if self.stateful:
@@ -189,7 +189,6 @@ class StreamSource:
 
     def _everyone_has(self, mine: bool) -> bool:
         flag = torch.tensor([1 if mine else 0], device=self.env.collective_device)
-        self.phase("data: every rank has a full share, all_reduce")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 

@@ -1,0 +1,34 @@
+"""Where one rank's run is: the step state, written by the step cycle alone and read by the rest.
+
+``StepCycle`` (run/cycle.py, run/boundary.py) owns one ``StepState`` and is the only code that
+assigns its fields (tests/test_layers.py checks that). The gated optimizers, schedulers and EMAs
+(run/optim.py, run/ema.py) and the engine wrapper (run/engine.py, run/local_engine.py) are handed
+the same object when they are made and read it when they act: no flag is pushed into them per
+step, and nothing is set on the user's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepState:
+    """One rank's position in the run, as the step cycle last set it.
+
+    Attributes:
+        step: optimizer steps begun: the open step's number, or the last one's between steps.
+        epoch: the epoch of the last step begun (a pass of the loader; 0 before the first).
+        open: inside a step, from its first micro-batch's fetch to the close after its last.
+        micro_batches: micro-batches entered in the open step.
+        accumulating: the micro-batch in hand is not its step's last: optimizer and scheduler
+            steps wait, and the engines do not synchronize its gradients.
+        has_backward: a backward ran in the open step, so ``zero_grad()`` keeps its gradients.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    open: bool = False
+    micro_batches: int = 0
+    accumulating: bool = False
+    has_backward: bool = False
