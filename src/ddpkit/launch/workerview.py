@@ -1,7 +1,8 @@
 """What a launcher sees of its own workers: progress files, /proc, and faulthandler's stack dumps.
 
-The files live in the run directory the launcher made; the workers' sitecustomize
-(``ddpkit/launch/workerboot``) writes them. Nothing here touches the workers but a signal.
+The files live in the run directory the launcher made; the workers' boot hook writes them
+(``ddpkit/launch/workerboot``, with ``boot_progress.py`` and ``boot_stacks.py``). Nothing here
+touches the workers but a signal.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.diagnostics.hang_state import RankState
+from ddpkit.launch.boot_progress import THREAD_FUNCTION
 
 # A real-time signal: no script or library uses one for itself (macOS has none: SIGUSR2 there).
 STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
@@ -151,9 +153,9 @@ def dump_stacks(run_dir: Path, pids: dict[int, int], wait_s: float = 3.0) -> dic
 
 
 def _without_own_threads(dump: str) -> str:
-    """faulthandler's dump less the thread of ddpkit's sitecustomize, which is never the story."""
+    """faulthandler's dump less the thread of ddpkit's boot hook, which is never the story."""
     blocks = dump.strip("\n").split("\n\n")
-    return "\n\n".join(b for b in blocks if "in _watch_progress" not in b) + "\n"
+    return "\n\n".join(b for b in blocks if f"in {THREAD_FUNCTION}" not in b) + "\n"
 
 
 def _grown(path: Path, since: int) -> str | None:

@@ -1,0 +1,108 @@
+"""A worker's collective count, written for its launcher: the worker's side of the hang collector
+for scripts that know nothing of ddpkit.
+
+With ``DDPKIT_PROGRESS_S`` set, the boot hook starts a daemon thread that writes the default
+process group's sequence number to ``RUN_DIR/progress-RANK`` when it changes (one read of a
+counter and at most one small write per period); the launcher reads it into a ``RankState``
+(``workerview.WorkerProgress``).
+
+Standard library only: ``workerboot/sitecustomize.py`` loads this file by its path in every
+worker, before the script, and importing the ddpkit package would import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+THREAD_FUNCTION = "_watch_progress"  # workerview leaves this thread out of a rank's stacks
+
+
+def _default_group():
+    """The default process group, or None (not created yet, torch half-imported, being destroyed)."""
+    c10d = getattr(sys.modules.get("torch.distributed"), "distributed_c10d", None)
+    try:
+        return c10d._get_default_group() if c10d is not None and c10d.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _sequence_number(group) -> int:
+    """The group's collective count; -1 without a group."""
+    try:
+        return group._get_sequence_number_for_group() if group is not None else -1
+    except Exception:
+        return -1
+
+
+def _group_timeout_s(group) -> float:
+    """The timeout the script gave its process group (torch's default unless it chose one); 0 if unknown."""
+    try:
+        return group._get_backend(group._device_types[0]).options._timeout.total_seconds()
+    except Exception:  # private API: without it the launcher falls back to torch's default
+        return 0.0
+
+
+def _watch_progress(path: str, period_s: float, stop: threading.Event) -> None:
+    """Write ``PID SEQ WALL LEFT WORLD TIMEOUT`` whenever the sequence number changes, in one
+    fixed-size record.
+
+    ``LEFT`` is 1 once the group is gone after it existed (``destroy_process_group``); ``SEQ``
+    then keeps its last value. ``TIMEOUT`` is the group's own timeout, in seconds. ``os.pwrite``
+    on a raw descriptor takes no Python lock, so a fork in the main thread (a DataLoader starting
+    workers) never copies a lock this thread holds.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    world, last, record, timeout = os.environ.get("WORLD_SIZE", "0"), None, -1, 0.0
+    while True:
+        group = _default_group()
+        seq = _sequence_number(group)
+        if seq >= 0 and record < 0:
+            timeout = _group_timeout_s(group)
+        record = seq if seq >= 0 else record
+        now = (record, record >= 0 and seq < 0)  # (the last count seen, whether the group is gone)
+        # Hold no reference to the group while sleeping: one kept after destroy_process_group()
+        # lives until interpreter shutdown, where its gloo threads abort the process (SIGABRT,
+        # "terminate called without an active exception") after a run that ended well.
+        group = None
+        if now != last:
+            last = now
+            line = f"{os.getpid()} {record} {time.time():.3f} {int(now[1])} {world} {timeout:.0f}"
+            os.pwrite(fd, line.ljust(63).encode() + b"\n", 0)
+        if stop.wait(period_s):
+            break
+    os.close(fd)
+
+
+class ProgressWriter:
+    """The thread that writes ``progress-RANK``; paused and resumed to measure what it costs.
+
+    Args:
+        run_dir: the launcher's run directory.
+        rank: this worker's global rank.
+        period_s: how often to read the count.
+    """
+
+    def __init__(self, run_dir: str, rank: str, period_s: float) -> None:
+        self.path, self.period_s = os.path.join(run_dir, f"progress-{rank}"), period_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def resume(self) -> None:
+        """Start the thread (again, after ``pause``)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = threading.Event()
+        args = (self.path, self.period_s, self._stop)
+        self._thread = threading.Thread(
+            target=_watch_progress, args=args, name="ddpkit-progress", daemon=True
+        )
+        self._thread.start()
+
+    def pause(self) -> None:
+        """Stop the thread (at exit, before interpreter shutdown tears torch down under it)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=2 * self.period_s)
