@@ -23,7 +23,7 @@ class StepBoundaries:
 
     # --- step boundaries -----------------------------------------------------------------------
 
-    def close_step(self) -> None:
+    def end_step(self) -> None:
         """The open step's last micro-batch is done: its position moves on, its boundary waits."""
         self.gate.check_stepped(self.step, self.cut)
         self.held.restore()  # a loop left mid-step: the gradients are the user's again
@@ -35,7 +35,7 @@ class StepBoundaries:
         self.micro, self.unsettled = None, True
         self.state.open = self.state.accumulating = self.state.has_backward = False
 
-    def finish(self, last: bool = False) -> None:
+    def settle(self, last: bool = False) -> None:
         """The boundary after the last step (its log line, fingerprint check, checkpoint, the
         preemption agreement), closing it first if it is open.
 
@@ -43,7 +43,7 @@ class StepBoundaries:
         end), so what the loop did after the epoch (validation, a plateau scheduler, early
         stopping, run.log) is in that step's checkpoint, neither lost nor repeated on resume."""
         if self.open:
-            self.close_step()
+            self.end_step()
         ended, self.unsettled = self.unsettled, False
         last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
@@ -122,10 +122,10 @@ class StepBoundaries:
 
     # --- the end -------------------------------------------------------------------------------
 
-    def finish_run(self) -> None:
+    def finish(self) -> None:
         """``run.finish``: close the last step as the run's last (its log line and checkpoint)."""
         if self.started:
-            self.finish(last=True)
+            self.settle(last=True)
         if self.writer is not None:
             self.writer.wait()  # the last checkpoint has landed before the run says it finished
         self.restore()  # a resumed run that had nothing left to do still checks what it resumed

@@ -11,9 +11,13 @@ engines whether the next backward synchronizes (only a step's last does).
 States of one process's run (``step`` counts optimizer steps begun)::
 
     registered --first batch (start): restore the checkpoint, open the bar--> started
-    started --a step's first micro-batch (begin): the last step's boundary, open the next--> in a step
-    in a step --the source's pass ends: close the step--> between steps (``outside``, unsettled)
-    any --finish_run()/close()--> closed
+    started --a step's first micro-batch (begin): settle the last step, open the next--> in a step
+    in a step --its last micro-batch done, or the pass ends (end_step)--> unsettled
+    unsettled --settle: its boundary (log line, check, checkpoint, preemption)--> started
+    any --finish(): settle the last step as the run's last; close(): no collective--> closed
+
+The step's state (its number, epoch, whether it is open or accumulating) lives in one
+``StepState`` (run/step_state.py) that only this class writes.
 """
 
 from __future__ import annotations
@@ -146,7 +150,7 @@ class StepCycle(StepBoundaries):
                 self.left(micro, source)
                 raise
         if self.open:  # its boundary (log, check, checkpoint) waits for the epoch-end code
-            self.close_step()
+            self.end_step()
         self.outside = True
         source.end_pass()
 
@@ -165,7 +169,7 @@ class StepCycle(StepBoundaries):
 
     def begin(self, source: Any) -> bool:
         """Close the previous step and open the next; False once the run's last step is done."""
-        self.finish()
+        self.settle()
         if self.steps is not None and self.step >= self.steps:
             self.outside = True
             return False
@@ -259,6 +263,6 @@ class StepCycle(StepBoundaries):
         self.save_now = True
         if not self.open:
             if self.unsettled:
-                self.finish()  # the last step's boundary first: it writes this checkpoint
+                self.settle()  # the last step's boundary first: it writes this checkpoint
             if self.save_now:
                 self.checkpoint()

@@ -275,7 +275,7 @@ class Run(RunPosition, PerSample):
         ended normally is finished at exit if the script does not call this itself."""
         if self._cycle.closed:
             return
-        self._cycle.finish_run()
+        self._cycle.finish()
         save_final(self._models, self._objects, self.out, self.env)  # OUT/NAME.pt: models, then EMAs
         self.close(plot=True)
 
