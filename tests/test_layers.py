@@ -375,3 +375,25 @@ def test_a_leaf_imports_only_leaves():
     assert module_level_imports(modules["ddpkit.heavy"], modules) == {"ddpkit.pkg", "ddpkit.pkg.inner"}
     assert module_level_imports(modules["ddpkit.base"], modules) == {"os", "collections"}
     assert leaves(modules) == {"ddpkit.base", "ddpkit.mid", "ddpkit.pkg.inner", "ddpkit.pkg.sibling"}
+
+
+# A file meets the 300-line aim by splitting where a reader names two concerns, never by packing
+# lines past the formatter. A file allowed a marker names why; none is allowed for good.
+FORMATTER_OFF = ("# fmt: skip", "# fmt: off")
+BEING_REBUILT = "issue 37: another change owns the file while it runs; its markers go when it lands"
+FORMATTER_OFF_ALLOWED = {
+    "run/cycle.py": BEING_REBUILT,
+    "run/monitor.py": BEING_REBUILT,
+    "launch/workerview.py": BEING_REBUILT,
+}
+
+
+def test_no_file_turns_the_formatter_off():
+    found = [
+        f"src/ddpkit/{module.where}:{number}: {line.strip()}"
+        for module in read_modules().values()
+        if module.where not in FORMATTER_OFF_ALLOWED
+        for number, line in enumerate(module.path.read_text().splitlines(), 1)
+        if any(marker in line for marker in FORMATTER_OFF)
+    ]
+    assert not found, "lines kept from the formatter (split the file instead):\n  " + "\n  ".join(found)

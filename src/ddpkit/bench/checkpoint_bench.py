@@ -141,8 +141,10 @@ def main(argv: list[str]) -> int:
     print(
         "# ddpkit bench checkpoint: GPT 29.6M parameters + AdamW (356 MB of state), medians over rounds (s)"
     )
-    print(f"{'nproc':>5} {'engine':>6} {'step':>7} {'save':>7} {'plain':>7} {'save/plain':>10} "
-          f"{'async+step':>10} {'/step':>6} {'fresh':>7} {'resume':>7} {'load':>7}")  # fmt: skip
+    print(
+        f"{'nproc':>5} {'engine':>6} {'step':>7} {'save':>7} {'plain':>7} {'save/plain':>10} "
+        f"{'async+step':>10} {'/step':>6} {'fresh':>7} {'resume':>7} {'load':>7}"
+    )
     for nproc in (int(n) for n in ns.nproc.split(",")):
         for engine in ns.engines.split(","):
             with tempfile.TemporaryDirectory(prefix="ddpkit-bench-ckpt-") as folder:

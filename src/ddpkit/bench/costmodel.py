@@ -175,9 +175,15 @@ def check(summary: dict, latency_s: float) -> list[dict]:
             step = min(predict_step_s(compute, sizes, summary["hosts"], link) for sizes in buckets.values())
             predicted.append(step)
             errors.append(step / (measured_ms / 1e3) - 1)
-        found.append({"engine": name, "measured_s": row["median_ms"] / 1e3,
-                      "predicted_s": statistics.median(predicted), "error": statistics.median(errors),
-                      "error_range": (min(errors), max(errors))})  # fmt: skip
+        found.append(
+            {
+                "engine": name,
+                "measured_s": row["median_ms"] / 1e3,
+                "predicted_s": statistics.median(predicted),
+                "error": statistics.median(errors),
+                "error_range": (min(errors), max(errors)),
+            }
+        )
     return found
 
 

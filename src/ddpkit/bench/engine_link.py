@@ -52,9 +52,17 @@ def run(cfg: EngineBenchConfig, rate_bps: float | None, hosts: int, timeout: flo
         cfg_file.write_text(json.dumps(asdict(cfg)), encoding="utf-8")
         procs = []
         for rank, host in enumerate(machines):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(hosts), "LOCAL_RANK": "0",
-                   "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": machines[0].addr, "MASTER_PORT": str(PORT),
-                   "GLOO_SOCKET_IFNAME": host.iface, "OMP_NUM_THREADS": str(threads)}  # fmt: skip
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(hosts),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": machines[0].addr,
+                "MASTER_PORT": str(PORT),
+                "GLOO_SOCKET_IFNAME": host.iface,
+                "OMP_NUM_THREADS": str(threads),
+            }
             # a file, not a pipe: a host blocked on a full pipe would stall the other in a collective
             with open(Path(tmp) / f"host{rank}.log", "w", encoding="utf-8") as log:
                 cmd = [*exec_prefix(host), *WORKER, str(cfg_file), str(out_file)]

@@ -64,9 +64,11 @@ class HandLoop:
         # torch's defaults otherwise, which are also run.loader's: workers restart each epoch,
         # each keeps 2 batches in flight.
         self.loader = DataLoader(
-            dataset, batch_size=cfg.global_batch // env.world_size, sampler=self.sampler,
+            dataset,
+            batch_size=cfg.global_batch // env.world_size,
+            sampler=self.sampler,
             num_workers=num_workers,
-        )  # fmt: skip
+        )
         self.batches = iter(self.loader)
         self.epoch, self.times = 0, []
 
@@ -108,9 +110,12 @@ class RunLoop:
     def __init__(self, job, dataset: Dataset, cfg, out: str, num_workers: int) -> None:
         self.loss_fn = job.loss_fn
         self.ddpkit_run = ddpkit.Run(
-            out=out, global_batch=cfg.global_batch, grad_clip=cfg.grad_clip, progress=False,
+            out=out,
+            global_batch=cfg.global_batch,
+            grad_clip=cfg.grad_clip,
+            progress=False,
             precision=cfg.precision,
-        )  # fmt: skip
+        )
         model = copy.deepcopy(job.model)
         self.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
         self.model = self.ddpkit_run.setup(model, self.optimizer)

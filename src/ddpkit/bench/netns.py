@@ -74,8 +74,8 @@ def _shape(ns: str, iface: str, rate_bps: float) -> None:
     # burst: 2 ms at the rate, at least a few full-size frames; a smaller bucket cannot keep a fast
     # link busy between timer ticks. latency bounds the queue (TCP fills it; drops would cost more).
     burst = max(64 * 1024, int(rate_bps / 8 * 0.002))
-    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf",
-         "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+    tbf = f"rate {int(rate_bps)}bit burst {burst} latency 50ms"
+    _run("ip", "netns", "exec", ns, *f"tc qdisc add dev {iface} root tbf {tbf}".split())
 
 
 @contextmanager
@@ -103,8 +103,8 @@ def emulated_hosts(count: int, rate_bps: float | None, tag: str | None = None) -
         _run("ip", "-n", switch, "link", "set", "br0", "up")
         for i, host in enumerate(hosts):
             port = f"dkp{i}"
-            _run("ip", "link", "add", host.iface, "netns", host.ns, "type", "veth", "peer", "name", port,
-                 "netns", switch)  # fmt: skip
+            veth = f"link add {host.iface} netns {host.ns} type veth peer name {port} netns {switch}"
+            _run("ip", *veth.split())
             _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", host.iface)
             _run("ip", "-n", host.ns, "link", "set", "lo", "up")

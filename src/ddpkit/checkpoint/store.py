@@ -1,4 +1,5 @@
-"""Atomic checkpoint saves, verified loads, retention of the last K, and the ``--resume`` choice.
+"""Atomic checkpoint saves, verified loads and retention of the last K (which checkpoint a run
+resumes from is ``checkpoint/choose.py``'s).
 
 A run's checkpoint directory::
 

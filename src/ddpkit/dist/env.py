@@ -179,10 +179,14 @@ def _from_pytorchjob_pod(environ: Mapping[str, str]) -> LauncherVars:
 
 # (rank, world size, local rank, local world size) as each MPI launcher names them.
 MPI_VARS = {
-    "Open MPI": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "Open MPI": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     "MPICH or Intel MPI": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-}  # fmt: skip
+}
 # How each passes a variable to every rank.
 MPI_EXPORT = {
     "Open MPI": "-x MASTER_ADDR={addr} -x MASTER_PORT={port}",

@@ -131,9 +131,11 @@ class LocalRanks:
     def _handle(self, signum: int, frame: object) -> None:
         if self.stopping:
             self._kill_all()
-            raise self._ended(signal.Signals(signum), "stopped by a second signal: the processes were "
-                              "killed at once; a checkpoint being written is abandoned, the previous good "
-                              "one stays") from None  # fmt: skip
+            raise self._ended(
+                signal.Signals(signum),
+                "stopped by a second signal: the processes were killed at once; a checkpoint being "
+                "written is abandoned, the previous good one stays",
+            ) from None
         raise Signalled(signum)
 
     def _stop(self, sig: signal.Signals) -> None:
@@ -151,8 +153,7 @@ class LocalRanks:
         late = [p for p in processes if p.is_alive()]
         self._kill_all()
         ends = [how_it_ended(p.exitcode) for p in processes if p not in late]
-        line = describe(sig, sig, ends, len(late), took, self.grace_s, grace_flag="",
-                        resume=RESUME)  # fmt: skip
+        line = describe(sig, sig, ends, len(late), took, self.grace_s, grace_flag="", resume=RESUME)
         raise self._ended(sig, line) from None  # the one line; not the Signalled it handles
 
     @staticmethod

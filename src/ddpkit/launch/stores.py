@@ -94,9 +94,14 @@ def bound_store(bind: str, port: int, timeout_s: float, *, host: str | None = No
     client_host = host or (LOOPBACK if bind in ("0.0.0.0", "::") else bind)
     # The store takes the descriptor over and closes it when it is destroyed.
     return dist.TCPStore(
-        client_host, sock.getsockname()[1], is_master=True, wait_for_workers=False, multi_tenant=False,
-        timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach(),
-    )  # fmt: skip
+        client_host,
+        sock.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=sock.detach(),
+    )
 
 
 class WrappedHandler(RendezvousHandler):

@@ -1,18 +1,17 @@
-"""What a Run's checkpoint holds, where it is resumed from, and how each registered object gets its part.
+"""What a Run's checkpoint holds, and how each registered object gets its part.
 
 A checkpoint is ``{"step", "world_size", "rng": [one dict per rank], "state": {name: state_dict},
 "frozen": {name: [parameter names]}}`` where the names are those the user registered
 (``run.setup``, ``run.track``, ``run.loader``), every one of them through its own ``state_dict()``
 / ``load_state_dict()``; ``frozen`` holds each module's parameters without ``requires_grad``
 (a backbone unfrozen at epoch 1 is trainable in a run resumed at epoch 2, whose loop never runs
-that line again). Rank 0 writes it
-atomically with a manifest of digests (``checkpoint/store.py``); every rank loads the same one.
+that line again). Rank 0 writes it atomically with a manifest of digests (``checkpoint/store.py``);
+every rank loads the same one, chosen by ``run/resume.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import sys
 from pathlib import Path
@@ -23,17 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint import (
-    CheckpointError,
     capture_rng,
-    load_checkpoint,
-    resolve_resume,
     restore_rng,
     save_checkpoint,
 )
 from ddpkit.checkpoint.background import BackgroundWriter, host_copy
 from ddpkit.checkpoint.dcp import SHARDED, save_sharded
-from ddpkit.checkpoint.lock import OutLock
-from ddpkit.checkpoint.manifest import verify_share
 from ddpkit.checkpoint.store import begin_save, commit_save
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
@@ -43,91 +37,7 @@ from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.engine import unwrap
 from ddpkit.run.sharded_state import restore_parts, sharded_parts, spreads
 
-log = logging.getLogger(__name__)
 OPTIONAL = "ddpkit_best"  # run.save_best's part (run/best.py), which checkpoints before it lack
-
-
-def resume_point(out: Path | None, cfg: CheckpointConfig, env: DistEnv, lock: OutLock | None) -> str | None:
-    """The one decision of whether, and from where, this run continues. Collective.
-
-    Rank 0 takes the folder's lock (one run per folder), chooses from manifests and sizes (so
-    every rank loads the same checkpoint even if a newer one appears while they look) and
-    broadcasts the path, or the error that stops the run, so every rank raises it instead of
-    waiting for rank 0. Then every rank hashes its share of the chosen checkpoint's files (each
-    file once, by one rank) and they agree in one gather: a bad file anywhere sends every rank
-    back to the previous checkpoint together. A worker restarted by the elastic agent always
-    takes the newest good checkpoint: its run wrote it.
-    """
-    bad: set[Path] = set()
-    while True:
-        choice: list = [None, None]
-        if env.is_rank0:
-            try:
-                if lock is not None and not bad:
-                    lock.acquire()
-                choice = [_choose(out, cfg, env, frozenset(bad)), None]
-            except (ConfigError, CheckpointError) as exc:
-                choice = [None, str(exc)]
-        dist.broadcast_object_list(choice, src=0)
-        if choice[1] is not None:
-            raise ConfigError(choice[1])
-        if choice[0] is None:
-            return None
-        path = Path(choice[0])
-        everyone: list = [None] * env.world_size
-        dist.all_gather_object(everyone, verify_share(path, env.rank, env.world_size))
-        problems = [problem for found in everyone for problem in found]
-        if not problems:
-            return str(path)
-        if _explicit(out, cfg, env):
-            raise ConfigError(f"--resume {str(path)!r} is not a good checkpoint ({'; '.join(problems)})")
-        if env.is_rank0:
-            log.warning(
-                "checkpoint %s is corrupt (%s); falling back to the previous one", path, "; ".join(problems)
-            )
-        bad.add(path)
-
-
-def _explicit(out: Path | None, cfg: CheckpointConfig, env: DistEnv) -> bool:
-    """True when the run resumes from the path it was given, which has no previous one to fall to."""
-    return cfg.resume not in ("auto", "never") and (out is None or env.restart_count == 0)
-
-
-def _choose(out: Path | None, cfg: CheckpointConfig, env: DistEnv, bad: frozenset) -> str | None:
-    if out is None:
-        if cfg.resume not in ("auto", "never"):
-            return str(resolve_resume(Path("."), cfg.resume, verify=False))
-        return None
-    resume = "auto" if env.restart_count > 0 else cfg.resume
-    found = resolve_resume(out / "checkpoints", resume, verify=False, skip=bad)
-    if found is None and env.restart_count == 0 and not bad:
-        _refuse_to_overwrite(out, cfg)
-    return str(found) if found else None
-
-
-def _refuse_to_overwrite(out: Path, cfg: CheckpointConfig) -> None:
-    """A fresh start may not write into a folder that holds an earlier run: nothing of it is lost."""
-    earlier = [p.name for p in (out / "checkpoints", out / "metrics.jsonl") if p.exists()]
-    if not earlier:
-        return
-    if (out / "checkpoints").exists() and cfg.resume == "never":
-        fix = "pass resume='auto' to continue it"
-    else:  # killed before its first checkpoint, or save_every=0
-        fix = "it wrote no checkpoint to continue from; remove its files to start it over"
-    raise ConfigError(
-        f"out={str(out)!r} already holds a run ({', '.join(earlier)}); {fix}, or choose another out"
-    )
-
-
-def load(path: str, device: torch.device) -> dict:
-    """Load a checkpoint written by ``save`` (verified by ``resume_point``), onto this rank's device."""
-    state = load_checkpoint(path, map_location=device, verify=False)  # the ranks verified it together
-    if not isinstance(state, dict) or "state" not in state or "rng" not in state:
-        raise ConfigError(
-            f"{path} is not a ddpkit.Run checkpoint (it lacks 'state' and 'rng'); "
-            "resume a Run from its own OUT/checkpoints, or pass resume='never'"
-        )
-    return state
 
 
 def check_names(path: str, saved: dict, registered: list[str]) -> None:
@@ -190,20 +100,6 @@ def this_process() -> int:
     return os.getpid()
 
 
-def finished_here(saved: dict | None, steps: int | None, env: DistEnv) -> bool:
-    """True on every rank when ``saved`` is the final checkpoint of this very command, run again
-    (a new process; one that finished it and makes another Run continues). Collective."""
-    if saved is None or saved.get("finished") is None:
-        return False  # every rank loaded the same checkpoint: all return here alike, no collective
-    done = [False]
-    if env.is_rank0:
-        now, then = command(steps), dict(saved["finished"])
-        done = [then.pop("pid") != now.pop("pid") and then == now]
-    if env.world_size > 1:
-        dist.broadcast_object_list(done, src=0)
-    return done[0]
-
-
 def save(
     directory: Path,
     step: int,
@@ -227,8 +123,14 @@ def save(
     shards = sharded_parts(objects, spread)  # a sharded model and its optimizers: every rank writes them
     if not env.is_rank0:
         return save_sharded(directory, step, None, shards, False, cfg.keep_last) if shards else None
-    parts = {name: SHARDED if name in shards else [mine["own"][name] for mine in everyone] if name in own
-             else obj.state_dict() for name, obj in objects.items()}  # fmt: skip
+    parts: dict[str, object] = {}
+    for name, obj in objects.items():
+        if name in shards:
+            parts[name] = SHARDED
+        elif name in own:
+            parts[name] = [mine["own"][name] for mine in everyone]  # each rank's own, in rank order
+        else:
+            parts[name] = obj.state_dict()
     state = {
         "step": step,
         "world_size": env.world_size,
@@ -238,7 +140,7 @@ def save(
             name: [param_name for param_name, p in obj.named_parameters() if not p.requires_grad]
             for name, obj in objects.items()
             if isinstance(obj, nn.Module)
-        },  # fmt: skip
+        },
         "finished": finished,
         "settings": notices.settings(objects),  # hyper-parameters as the script set them
     }

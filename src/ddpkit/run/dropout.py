@@ -56,8 +56,10 @@ def note_dropout(model: nn.Module, is_rank0: bool) -> None:
         "%s drops out in %s%s: each rank draws its masks from its own generator, so losses change "
         "with the number of processes and micro_batch; ddpkit.Run(invariant_dropout=True) draws "
         "them per sample instead (docs/guarantees.md)",
-        type(model).__name__, named, more,
-    )  # fmt: skip
+        type(model).__name__,
+        named,
+        more,
+    )
 
 
 def key_dropout(model: nn.Module, draws: SampleDraws, batch_dim: int) -> int:

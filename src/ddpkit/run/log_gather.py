@@ -35,9 +35,17 @@ def peak_memory_mb(device: torch.device) -> tuple[float, float]:
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, matched in this order
 # against torch.cuda.get_device_name(); fp16 where the GPU has no bf16 (V100, T4).
 GPU_PEAKS = (
-    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("B200", 2250e12),
-    ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("V100", 125e12), ("T4", 65e12),
-)  # fmt: skip
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+)
 
 
 def device_peak(device: torch.device, given: float | None) -> float | None:

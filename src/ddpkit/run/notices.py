@@ -53,9 +53,10 @@ def remember_settings(obj: object) -> None:
         ]
     elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
         _AT_TRACK[obj] = {
-            k: v for k, v in vars(obj).items()
+            k: v
+            for k, v in vars(obj).items()
             if not k.startswith("_") and k not in ("last_epoch", "base_lrs") and _plain(v)
-        }  # fmt: skip
+        }
 
 
 def _plain(value: object) -> bool:

@@ -13,7 +13,7 @@ from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import DistEnv, current_env, destroy, init_distributed
 from ddpkit.dist.init import DEFAULT_TIMEOUT, set_collective_timeout
 from ddpkit.launch.restarts import EVENTS, note_out
-from ddpkit.run import checkpoints
+from ddpkit.run import resume
 from ddpkit.run.config import CheckpointConfig, DiagnosticsConfig
 
 
@@ -51,14 +51,14 @@ class Session:
         The same command again on a run it finished has nothing to do: it says so in one line and
         the process exits with 0 (``SystemExit``) before anything is written; OUT/model.pt stands."""
         self.lock = OutLock(out) if out is not None and self.env.is_rank0 else None
-        self.resume_path = checkpoints.resume_point(out, cfg, self.env, self.lock)
+        self.resume_path = resume.resume_point(out, cfg, self.env, self.lock)
         if out is not None:
             note_out(out)  # for the launcher's restart line: where a restart goes on from
             restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
             if self.env.is_rank0 and self.resume_path is None and not restarted:
                 (out / EVENTS).unlink(missing_ok=True)  # an earlier run's, started over
-        self.saved = checkpoints.load(self.resume_path, self.env.device) if self.resume_path else None
-        if checkpoints.finished_here(self.saved, steps, self.env):
+        self.saved = resume.load(self.resume_path, self.env.device) if self.resume_path else None
+        if resume.finished_here(self.saved, steps, self.env):
             if self.env.is_rank0:
                 print(
                     f"ddpkit: {out} holds this command's finished run (step {self.saved['step']}); nothing "

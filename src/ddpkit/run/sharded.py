@@ -65,9 +65,12 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     sharded = groups(model, cfg.shard_modules)
     for module in sharded:
         fully_shard(
-            module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+            module,
+            mesh=mesh,
+            reshard_after_forward=cfg.reshard_after_forward,
+            mp_policy=policy,
             offload_policy=offload,
-        )  # fmt: skip
+        )
     # The root's parameters are needed again as soon as backward starts: torch's advice (and
     # torchtitan's) is to keep them gathered rather than free and gather them again.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)

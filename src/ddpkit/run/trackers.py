@@ -133,8 +133,10 @@ class Trackers:
                 name, wait = sender.tracker.name, CLOSE_TIMEOUT_S
                 log.warning(
                     "tracker %s still sends %.0f s after the run's end and is left behind; OUT/metrics.jsonl "
-                    "has every line, and a resumed run sends it what it lacks", name, wait,
-                )  # fmt: skip
+                    "has every line, and a resumed run sends it what it lacks",
+                    name,
+                    wait,
+                )
 
 
 class _Sender(threading.Thread):
@@ -163,8 +165,10 @@ class _Sender(threading.Thread):
             log.warning(
                 "tracker %s failed and is off for the rest of this run (%s); %s. Training goes on, "
                 "and OUT/metrics.jsonl has every line",
-                tracker.name, reason, tracker.fix,
-            )  # fmt: skip
+                tracker.name,
+                reason,
+                tracker.fix,
+            )
 
 
 class _TensorBoard:
@@ -257,10 +261,14 @@ class _WandB:
         from wandb.env import get_project
 
         self.run = wandb.init(
-            project=get_project() or "ddpkit", dir=str(owner.out), name=owner.out.resolve().name,
-            id=saved.get("run_id"), resume="allow", config=owner.params,
+            project=get_project() or "ddpkit",
+            dir=str(owner.out),
+            name=owner.out.resolve().name,
+            id=saved.get("run_id"),
+            resume="allow",
+            config=owner.params,
             reinit="create_new",  # the user's own wandb run, if any, stays open
-        )  # fmt: skip
+        )
         owner.note(self.name, run_id=self.run.id, project=self.run.project)
         return self.run.step, 0  # rows from the step its service says comes next
 

@@ -49,9 +49,21 @@ CLI_DEFAULTS: dict[str, Any] = {"resume": "never"}
 # steps is among them: the default schedule decays over all of them, and a new total would make
 # the learning rate jump (0.0010 to 0.0051 at step 100 of a 200-step toy run resumed for 400).
 SAME_RUN = (
-    "seed", "steps", "global_batch", "micro_batch", "drop_last", "shuffle", "precision",
-    "grad_clip", "task", "data", "epochs", "lr", "warmup_steps", "weight_decay",
-)  # fmt: skip
+    "seed",
+    "steps",
+    "global_batch",
+    "micro_batch",
+    "drop_last",
+    "shuffle",
+    "precision",
+    "grad_clip",
+    "task",
+    "data",
+    "epochs",
+    "lr",
+    "warmup_steps",
+    "weight_decay",
+)
 
 
 @dataclass(frozen=True)

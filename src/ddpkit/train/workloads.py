@@ -93,9 +93,13 @@ def _toy_task(cfg: Any) -> Task:
 
 def _defaults(steps: int, global_batch: int, lr: float, warmup_steps: int, save_every: int) -> dict:
     return {
-        "steps": steps, "global_batch": global_batch, "lr": lr, "warmup_steps": warmup_steps,
-        "save_every": save_every, "grad_clip": 1.0,
-    }  # fmt: skip
+        "steps": steps,
+        "global_batch": global_batch,
+        "lr": lr,
+        "warmup_steps": warmup_steps,
+        "save_every": save_every,
+        "grad_clip": 1.0,
+    }
 
 
 WORKLOADS: dict[str, Workload] = {
