@@ -60,7 +60,7 @@ def _nan_run(env, out: str, on_nonfinite: str) -> tuple[int, bool]:
     trainer = _trainer(out, data=_data(bad=5), on_nonfinite=on_nonfinite)
     trainer.fit()
     finite = all(torch.isfinite(p).all() for p in trainer.model.module.parameters())
-    return trainer.run._gate.skipped_steps, finite
+    return trainer.run._cycle.gate.skipped_steps, finite
 
 
 def _runs_that_finish(env, root: str) -> dict:
