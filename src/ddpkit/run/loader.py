@@ -9,7 +9,7 @@ line each by ``run/loader_checks.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
@@ -87,17 +87,16 @@ class Loader:
 
 
 def make_source(
-    data: Dataset | DataLoader, kwargs: dict, cfg: DataConfig, env: DistEnv, seed: int, phase: Callable
+    data: Dataset | DataLoader, kwargs: dict, cfg: DataConfig, env: DistEnv, seed: int
 ) -> MapSource | StreamSource:
     """The source of ``run.loader(data, **kwargs)``: a stream's, or a map-style dataset's over the
-    run's global-batch sampler (drawn by ``weights=`` when given); ``phase`` tells the hang
-    watchdog of a stream's agreement."""
+    run's global-batch sampler (drawn by ``weights=`` when given)."""
     weights, inexact = kwargs.pop("weights", None), kwargs.pop("inexact_resume", False)
     dataset, global_batch, kwargs, shuffle = loader_parts(data, cfg, env.device, kwargs)
     if is_stream(dataset):
         buffer = check_stream(dataset, weights, inexact)
         check_split(global_batch, env.world_size)
-        source = StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs, phase)
+        source = StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs)
         source.inexact_buffer = buffer
         return source
     sampler = make_sampler(dataset, global_batch, env, cfg, seed, shuffle, weights)
