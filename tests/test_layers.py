@@ -378,19 +378,14 @@ def test_a_leaf_imports_only_leaves():
 
 
 # A file meets the 300-line aim by splitting where a reader names two concerns, never by packing
-# lines past the formatter. A file allowed a marker names why; none is allowed for good.
+# lines past the formatter.
 FORMATTER_OFF = ("# fmt: skip", "# fmt: off")
-BEING_REBUILT = "issue 37: another change owns the file while it runs; its markers go when it lands"
-FORMATTER_OFF_ALLOWED = {
-    "run/monitor.py": BEING_REBUILT,
-}
 
 
 def test_no_file_turns_the_formatter_off():
     found = [
         f"src/ddpkit/{module.where}:{number}: {line.strip()}"
         for module in read_modules().values()
-        if module.where not in FORMATTER_OFF_ALLOWED
         for number, line in enumerate(module.path.read_text().splitlines(), 1)
         if any(marker in line for marker in FORMATTER_OFF)
     ]

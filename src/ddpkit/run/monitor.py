@@ -128,9 +128,7 @@ class Monitor:
             # The user's own bar (tqdm(loader), an epoch bar) is open: two bars would interleave.
             log.info("your own progress bar is open, so ddpkit shows none (progress=False says so)")
             show = False
-        self.bar = tqdm(
-            total=total, initial=step, unit="step", dynamic_ncols=True, disable=not show
-        )  # fmt: skip
+        self.bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, disable=not show)
         self.window.reset()
         self.window.last_end = self.window.start
         self.start_step = self.logged_step = step
@@ -265,8 +263,11 @@ class Monitor:
                 log.warning(
                     "step %d: rank %d is a straggler: data + compute took %.1fx the other ranks' median "
                     "for %d log windows in a row",
-                    step, rank, factor, self.slow_streak[rank],
-                )  # fmt: skip
+                    step,
+                    rank,
+                    factor,
+                    self.slow_streak[rank],
+                )
 
     def close(self, plot: bool) -> None:
         """Stop the watchdog and the bar; on rank 0 draw OUT/loss.png from the whole metrics file.
