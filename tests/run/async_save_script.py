@@ -1,8 +1,9 @@
 """A ddpkit.Run loop with dropout that checkpoints every 2 steps, synchronously or with
 ``async_save=True``; tests/run/test_run_async_save.py runs it under `ddpkit run`.
 
-Flags: --out, --async-save, --die-in-write STEP (rank 0 SIGKILLs itself from the writing thread,
-inside its write of that step's checkpoint, once state.pt is written and before the rename).
+Flags: --out, --engine (torch or fsdp), --async-save, --die-in-write STEP (rank 0 SIGKILLs itself
+from the writing thread, inside its write of that step's checkpoint, once state.pt is written and
+before the rename).
 """
 
 import argparse
@@ -35,13 +36,14 @@ def die_in_write(step: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--engine", default="torch")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--die-in-write", type=int, default=0)
     args = parser.parse_args()
 
     run = ddpkit.Run(
         out=args.out, global_batch=8, save_every=2, keep_last=3, log_every=1, progress=False,
-        async_save=args.async_save,
+        async_save=args.async_save, engine=args.engine,
     )  # fmt: skip
     model = run.setup(nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

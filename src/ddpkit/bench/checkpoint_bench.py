@@ -9,8 +9,9 @@ GPT of about 30M parameters with AdamW through ``ddpkit.Run`` and times, in alte
   a step), synchronous: written, hashed and renamed;
 - ``plain``: what the seeds' tutorials do with the same state: ``torch.save`` of the model's and
   optimizer's state dicts on rank 0 (torch engine), or ``dcp.save`` of the shards (fsdp), fsynced;
-- ``async save + step`` (torch engine): the same checkpoint with ``async_save=True`` and the
-  next step, which runs while the thread writes (on a CPU the two share the cores).
+- ``async save + step``: the same checkpoint with ``async_save=True`` and the next step, which
+  runs while the thread writes (on a CPU the two share the cores; on fsdp every rank's thread
+  writes its shards).
 
 Then ``resume``: the seconds from ``ddpkit.Run(...)`` to the end of the first step, resuming
 from the last checkpoint, against the same from a fresh folder (``fresh``), and ``load``: a
@@ -112,13 +113,12 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
         times["plain"].append(_timed(lambda: _plain_save(model, optimizer, out, engine)))
         times["load"].append(_timed(lambda: _plain_load(model, optimizer, out, engine)))
     run.close()  # no final checkpoint: the last run.save() is what the resume below starts from
-    if engine != "fsdp":
-        run, model, optimizer, step = _session(str(out / "async"), engine, True)
-        step()
-        for _ in range(rounds):
-            times["async"].append(_timed(lambda: (run.save(), step())))
-            time.sleep(2.0)  # the thread's write (about 0.5 s here) lands before the next round
-        run.close()
+    run, model, optimizer, step = _session(str(out / "async"), engine, True)
+    step()
+    for _ in range(rounds):
+        times["async"].append(_timed(lambda: (run.save(), step())))
+        time.sleep(2.0)  # the thread's write (about 0.5 s here) lands before the next round
+    run.finish()  # waits for the last write: a run.close() would leave its thread writing
     resume = {}
     for kind, path in (("resume", out / "sync"), ("fresh", out / "fresh")):
         start = time.perf_counter()

@@ -1,11 +1,11 @@
 """Checkpoints written by a background thread: the step waits only for a copy of the state.
 
-``async_save=True`` (the torch and native engines, whose checkpoint is rank 0's state.pt): at a
-save, rank 0 copies every tensor of the state into host memory of its own (pinned on a GPU,
-so the copy does not wait for a pageable buffer) and hands the copy to one thread, which writes
-it as a synchronous save would: into a hidden temporary folder, hashed as it is written, the
-manifest last, then renamed into place. So a kill during the write leaves a temporary folder
-that is never loaded, and the previous checkpoint stands.
+``async_save=True``: at a save, rank 0 copies every tensor of its state.pt into host memory of
+its own (pinned on a GPU, so the copy does not wait for a pageable buffer) and hands the copy to
+one thread, which writes it as a synchronous save would: into a hidden temporary folder, hashed
+as it is written, the manifest last, then renamed into place. So a kill during the write leaves
+a temporary folder that is never loaded, and the previous checkpoint stands. A sharded save
+(fsdp) does the same on every rank with its shards, through DCP's ``async_save`` (dcp.py).
 
 One write at a time: a save waits for the one before it to land. ``wait`` (at ``run.finish()``,
 before a preempted run exits) waits for the last; an error of the thread's (a full disk) is
@@ -50,6 +50,7 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.group: Any = None  # a sharded save's gloo group for its threads' collectives (dcp.py)
 
     def submit(self, write: Callable[[], Any]) -> None:
         """Start ``write()`` in the background, once the previous write has landed."""

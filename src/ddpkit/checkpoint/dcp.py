@@ -13,6 +13,7 @@ into it with DCP (``sync_files``: each file fsynced) and hashes its own files, a
 gather says every rank has written, rank 0 gathers the hashes, writes state.pt (hashed as it is
 written) and the manifest of every file and renames the folder into place
 (``store.commit_save``). A kill at any point leaves a hidden folder that is never loaded.
+With ``async_save`` the same steps run in each rank's writer thread (``save_sharded_async``).
 DCP reshards on load, so the checkpoint resumes on any number of processes. The folder must be
 one every rank can read and write (a shared filesystem across machines), as DCP requires.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.checkpoint.background import BackgroundWriter, host_copy
 from ddpkit.checkpoint.manifest import STATE, file_entry
 from ddpkit.checkpoint.store import CheckpointError, begin_save, commit_save
 
@@ -48,6 +50,56 @@ def save_sharded(
     """
     import torch.distributed.checkpoint as dcp  # a second of imports, for sharded runs only
 
+    final, tmp = _begin(directory, step, state, rank0, keep_last)
+    try:
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    except BaseException:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _commit(final, tmp, step, state, rank0, keep_last, None)
+
+
+def save_sharded_async(
+    directory: Path,
+    step: int,
+    state: dict | None,
+    shards: dict[str, Any],
+    rank0: bool,
+    keep_last: int,
+    writer: BackgroundWriter,
+) -> Path | None:
+    """``save_sharded`` in the background (``async_save``); the folder it will be on rank 0.
+    Collective.
+
+    The step waits for the last write to land (one at a time), for DCP's ``async_save`` to copy
+    this rank's shards into host memory, and on rank 0 for a host copy of ``state``. Then each
+    rank's writer thread lets DCP write its files, hashes them and sends the digests to rank 0's,
+    which commits the folder as ``save_sharded`` does. The threads' collectives (DCP's plan, the
+    digests) go over a gloo group of their own, so they never interleave with the training's.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    writer.wait()  # on every rank: begin_save on rank 0 clears what an unfinished write left
+    if writer.group is None:  # made once, by every rank at the same (collective) save
+        writer.group = dist.new_group(backend="gloo")
+    final, tmp = _begin(directory, step, state, rank0, keep_last)
+    shards_written = dcp.async_save(
+        shards, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=writer.group
+    )
+    copied = host_copy(state) if rank0 else None
+    group = writer.group
+
+    def land() -> None:
+        shards_written.result()
+        _commit(final, tmp, step, copied, rank0, keep_last, group)
+
+    writer.submit(land)
+    return final if rank0 else None
+
+
+def _begin(directory: Path, step: int, state: dict | None, rank0: bool, keep_last: int) -> tuple[Path, Path]:
+    """Rank 0 makes the hidden temporary folder; every rank learns its name. Collective."""
     chosen: list = [None, None]
     if rank0:
         try:
@@ -57,21 +109,21 @@ def save_sharded(
     dist.broadcast_object_list(chosen, src=0)
     if chosen[1] is not None:
         raise CheckpointError(f"cannot start the sharded checkpoint of step {step}: {chosen[1]}")
-    final, tmp = chosen[0]
-    try:
-        dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    except BaseException:
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Each rank hashes the files it wrote (DCP names them __RANK_N.distcp), all ranks at once,
-    # and rank 0 gathers the entries: the checkpoint is hashed in S/N a rank, not S on rank 0.
+    return chosen[0]
+
+
+def _commit(
+    final: Path, tmp: Path, step: int, state: dict | None, rank0: bool, keep_last: int, group: Any
+) -> Path | None:
+    """Each rank hashes the files it wrote (DCP names them __RANK_N.distcp), all ranks at once, and
+    rank 0 gathers the entries and commits: the checkpoint is hashed in S/N a rank, not S on
+    rank 0. Collective over ``group`` (None: the default group)."""
     mine = {p.name: file_entry(p) for p in tmp.glob(f"__{dist.get_rank()}_*.distcp")}
     everyone: list[dict] | None = [{}] * dist.get_world_size() if rank0 else None
-    dist.gather_object(mine, everyone, dst=0)
+    dist.gather_object(mine, everyone, dst=0, group=group)
     if not rank0:
         return None
-    # dcp.save returns on rank 0 after its gather of every rank's write results: all files are in.
+    # DCP's save returns on rank 0 after its gather of every rank's write results: all files are in.
     files = tuple(sorted(p.name for p in tmp.iterdir() if p.name != STATE))
     known = {name: entry for entries in everyone for name, entry in entries.items()}
     return commit_save(final, tmp, step, state, keep_last, files, known)

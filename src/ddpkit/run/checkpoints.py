@@ -27,7 +27,7 @@ from ddpkit.checkpoint import (
     save_checkpoint,
 )
 from ddpkit.checkpoint.background import BackgroundWriter, host_copy
-from ddpkit.checkpoint.dcp import SHARDED, save_sharded
+from ddpkit.checkpoint.dcp import SHARDED, save_sharded, save_sharded_async
 from ddpkit.checkpoint.store import begin_save, commit_save
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
@@ -114,15 +114,15 @@ def save(
     An object whose state differs by rank (``per_rank_state``: a stream's position) is saved as the
     list of every rank's ``state_dict()``, gathered with the generators' states. ``finished``
     marks the final checkpoint with the command that finished it (``command``). With ``writer``
-    (``async_save``), rank 0 returns once a host copy of the state is made; the writer's thread
-    writes it (checkpoint/background.py)."""
+    (``async_save``), rank 0 returns once a host copy of the state is made, and each rank once
+    DCP has copied its shards; the writers' threads write them (checkpoint/background.py, dcp.py)."""
     own = {name: obj.state_dict() for name, obj in objects.items() if getattr(obj, "per_rank_state", False)}
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, {"rng": capture_rng(), "own": own})
     spread = spreads(objects, env.world_size, cfg.sharded_save, cfg.async_save)
     shards = sharded_parts(objects, spread)  # a sharded model and its optimizers: every rank writes them
     if not env.is_rank0:
-        return save_sharded(directory, step, None, shards, False, cfg.keep_last) if shards else None
+        return _save_shards(directory, step, None, shards, False, cfg, writer) if shards else None
     parts: dict[str, object] = {}
     for name, obj in objects.items():
         if name in shards:
@@ -145,7 +145,7 @@ def save(
         "settings": notices.settings(objects),  # hyper-parameters as the script set them
     }
     if shards:
-        return save_sharded(directory, step, state, shards, True, cfg.keep_last)
+        return _save_shards(directory, step, state, shards, True, cfg, writer)
     if writer is None:
         return save_checkpoint(directory, step, state, keep_last=cfg.keep_last)
     writer.wait()  # one write at a time: begin_save clears what an unfinished one left
@@ -153,3 +153,18 @@ def save(
     copied = host_copy(state)
     writer.submit(lambda: commit_save(final, tmp, step, copied, cfg.keep_last))
     return final
+
+
+def _save_shards(
+    directory: Path,
+    step: int,
+    state: dict | None,
+    shards: dict[str, Any],
+    rank0: bool,
+    cfg: CheckpointConfig,
+    writer: BackgroundWriter | None,
+) -> Path | None:
+    """Every rank writes its shards through DCP, now or (``writer``: async_save) in the background."""
+    if writer is None:
+        return save_sharded(directory, step, state, shards, rank0, cfg.keep_last)
+    return save_sharded_async(directory, step, state, shards, rank0, cfg.keep_last, writer)

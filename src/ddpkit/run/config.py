@@ -86,9 +86,11 @@ class CheckpointConfig:
             save_every is 0) and exit with 128 + the signal's number, e.g. ``"TERM,INT,USR1"`` for
             SLURM's ``--signal=USR1@90``; a second signal exits at once. ``""`` leaves them alone.
         async_save: the step waits only for a copy of the state in host memory, and a thread
-            writes it (checkpoint/background.py); the torch and native engines.
+            writes it (checkpoint/background.py): rank 0's state.pt, and with sharded saves
+            (fsdp, sharded_save) every rank's shards through DCP's async_save (checkpoint/dcp.py).
         sharded_save: the torch and native engines save models and optimizers through DCP, each
-            rank writing about 1/N of them; None: from 256 MiB of them on 2+ ranks (fsdp always).
+            rank writing about 1/N of them; None: from 256 MiB of them on 2+ ranks (fsdp always),
+            unless async_save.
     """
 
     save_every: int = 0
@@ -103,11 +105,6 @@ class CheckpointConfig:
             raise ConfigError(f"save_every={self.save_every} is below 0; use 0 to write no checkpoints")
         if self.keep_last < 1:
             raise ConfigError(f"keep_last={self.keep_last} is below 1; keep at least one checkpoint")
-        if self.async_save and self.sharded_save:
-            raise ConfigError(
-                "async_save=True writes rank 0's state.pt in the background; sharded_save=True writes "
-                "through DCP on every rank: choose one"
-            )
         if not self.resume:
             raise ConfigError("resume='' names nothing; use 'auto', 'never' or a checkpoint path")
         for name in filter(None, self.preempt_signals.split(",")):
@@ -219,11 +216,6 @@ def split_options(options: dict[str, Any]) -> tuple:
     if unknown:
         raise ConfigError(f"ddpkit.Run got unknown options {unknown}; known ones are {sorted(owners)}")
     configs = tuple(cls(**{k: v for k, v in options.items() if owners[k] is cls}) for cls in COMPONENTS)
-    if options.get("async_save") and options.get("engine") == "fsdp":
-        raise ConfigError(
-            "async_save=True is for the torch and native engines; engine='fsdp' saves through DCP, each "
-            "rank writing its shards: drop async_save, or use engine='torch'"
-        )
     return configs
 
 
