@@ -44,7 +44,7 @@ def note_out(out: Path) -> None:
         (Path(run_dir) / OUT_NOTE).write_text(str(Path(out).resolve()), encoding="utf-8")
 
 
-def resume_point(run_dir: Path) -> tuple[str, Path | None, int | None]:
+def restart_point(run_dir: Path) -> tuple[str, Path | None, int | None]:
     """Where restarted workers go on from: (words for the line, OUT or None, step or None)."""
     note = run_dir / OUT_NOTE
     if not note.is_file():
@@ -94,7 +94,7 @@ class RestartLine(logging.Handler):
         exitcode, local_rank, pid = self.failure
         self.failure = None
         host, number = socket.gethostname(), generation - 1
-        where, out, step = resume_point(self.run_dir)
+        where, out, step = restart_point(self.run_dir)
         print(
             f"ddpkit: restart {number} of {self.max_restarts}: local rank {local_rank} (pid {pid}) "
             f"on {host} failed first ({describe(exitcode)}); {where}",
