@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from ddpkit.diagnostics.desync import Blocked, desync_headline, desync_line
 from ddpkit.diagnostics.desync_probe import DesyncProbe
 from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
 from ddpkit.diagnostics.hang_exchange import Exchange
-from ddpkit.diagnostics.hang_report import format_report, summary_line
+from ddpkit.diagnostics.hang_report import format_report, summary_line, write_report
 from ddpkit.diagnostics.hang_state import Progress, RankState
 from ddpkit.diagnostics.hang_store import STORE_TIMEOUT_S, BoundedStore, watchdog_store
 from ddpkit.diagnostics.stacks import inflight_op, thread_stack
@@ -43,6 +44,11 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+ALONE = (
+    "the rendezvous store did not answer (its host may be stopped or dead: rank 0 under "
+    "ddpkit.launch, the agent under ddpkit run/torchrun), so this is this rank's view only"
+)
 
 
 class HangWatchdog:
@@ -104,7 +110,6 @@ class HangWatchdog:
         self._main_ident = threading.get_ident()
         self._group: dist.ProcessGroup | None = None
         self._progress = Progress(time.monotonic())
-        self._answered = False
         self._following_since: float | None = None
 
     def phase(self, step: int, name: str) -> None:
@@ -140,7 +145,7 @@ class HangWatchdog:
         initialized = dist.is_available() and dist.is_initialized()
         self._group = dist.group.WORLD if initialized else None
         self._store = BoundedStore(self._given_store if self._given_store is not None else watchdog_store())
-        self._exchange = Exchange(self._store, self.env.rank, self.env.world_size)
+        self._exchange = Exchange(self._store, self.env.rank)
         self._probe = None
         if self.desync_s and self._group is not None:
             # A blocked rank compares every desync_s / 10, at least a poll apart: the report comes
@@ -149,7 +154,7 @@ class HangWatchdog:
             args = (self._group.group_name, self.desync_s, check_s, self._store, self._main_ident)
             self._probe = DesyncProbe(self.env.rank, self.env.world_size, *args)
         self._progress = Progress(time.monotonic())
-        self._answered, self._following_since = False, None
+        self._following_since = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watchdog", daemon=True)
         self._thread.start()
@@ -178,7 +183,7 @@ class HangWatchdog:
             if self._probe is not None:
                 self._probe.clear()  # a record left behind would count as blocked for ever
             # Tells a later report that this rank left the watched loop rather than froze.
-            self._publish(self._progress.state(self.env.rank, time.monotonic(), left=True))
+            self._exchange.publish(self._progress.state(self.env.rank, time.monotonic(), left=True))
         except Exception:
             # The watchdog must never take training down by itself.
             log.exception("hang watchdog failed; training continues unwatched")
@@ -191,8 +196,8 @@ class HangWatchdog:
             return
         progressed = self._progress.observe(self._sequence_number(), self._mark, now)
         if progressed:
-            self._publish(self._progress.state(self.env.rank, now))
-        if not self._answered and self._exchange.requested():
+            self._exchange.publish(self._progress.state(self.env.rank, now))
+        if self._exchange.asked():
             self._answer(now)
         if self._following_since is not None:
             self._follow(now)
@@ -210,24 +215,20 @@ class HangWatchdog:
         except RuntimeError:  # group destroyed under a watchdog that was not stopped
             return max(self._progress.seq, 0)
 
-    def _publish(self, state: RankState) -> None:
-        self._exchange.publish(state)
-
     def _fresh_state(self, now: float) -> RankState:
         state = self._progress.state(self.env.rank, now)
         name = self._group.group_name if self._group is not None else ""
-        return state.with_op(inflight_op(name, state.seq)) if name else state
+        return replace(state, op=inflight_op(name, state.seq)) if name else state
 
     def _answer(self, now: float) -> None:
         self._exchange.answer(self._fresh_state(now), thread_stack(self._main_ident))
-        self._answered = True
         self._following_since = self._following_since or now
 
     def _follow(self, now: float) -> None:
         """Another rank is reporting; exit a while after it, should the launcher not stop this rank."""
         if now - self._following_since < self.answer_s + self.follow_s:
             return
-        reporter = self._exchange.reporter() if self._answered else None
+        reporter = self._exchange.reporter() if self._exchange.answered else None
         who = f"rank {reporter}" if reporter is not None else "another rank"
         log.error("%s reported a hang (see its report); exiting with code %d", who, HANG_EXIT_CODE)
         self._exit(HANG_EXIT_CODE)
@@ -235,35 +236,29 @@ class HangWatchdog:
     def _on_timeout(self, now: float, desync: list[Blocked] | None = None) -> None:
         claim = self._exchange.claim()
         if claim is None:
-            self._report_alone(now)
+            self._report(now, alone=ALONE)
         elif claim == 1:
             self._report(now, desync)
         else:
             self._following_since = now  # a peer claimed the report; it will ask for our stack
 
-    def _report(self, now: float, desync: list[Blocked] | None = None) -> None:
-        own = (self._fresh_state(now), thread_stack(self._main_ident))
-        states, stacks = self._exchange.gather(*own, self.answer_s, self.poll_s)
+    def _report(self, now: float, desync: list[Blocked] | None = None, alone: str = "") -> None:
+        """Gather every rank's state and stack (``alone``: this rank's only), then print and write
+        the report and exit."""
         rank, size = self.env.rank, self.env.world_size
-        path = str(self.report_path) if self.report_path is not None else ""
-        line = desync_line(desync) if desync else summary_line(states, size, set(stacks))
-        self._exchange.summarize(line, path)
+        states, stacks = {rank: self._fresh_state(now)}, {rank: thread_stack(self._main_ident)}
+        if not alone:
+            self._exchange.request()
+            peers = set(range(size)) - {rank}
+            for peer, (state, stack) in self._exchange.answers(peers, self.answer_s, self.poll_s).items():
+                states[peer], stacks[peer] = state, stack
+            states = {**self._exchange.states(set(range(size)) - set(states)), **states}
+            path = str(self.report_path) if self.report_path is not None else ""
+            line = desync_line(desync) if desync else summary_line(states, size, set(stacks))
+            self._exchange.summarize(line, path)
         headline = desync_headline(desync, self.desync_s) if desync else ()
         when, source = time.time(), self._source()
-        self._emit(
-            format_report(rank, self.limit_s, size, states, stacks, when, headline=headline, source=source)
-        )
-
-    def _report_alone(self, now: float) -> None:
-        alone = (
-            "the rendezvous store did not answer (its host may be stopped or dead: rank 0 under "
-            "ddpkit.launch, the agent under ddpkit run/torchrun), so this is this rank's view only"
-        )
-        states = {self.env.rank: self._fresh_state(now)}
-        stacks = {self.env.rank: thread_stack(self._main_ident)}
-        rank, size = self.env.rank, self.env.world_size
-        when, source = time.time(), self._source()
-        self._emit(format_report(rank, self.limit_s, size, states, stacks, when, alone, source=source))
+        self._emit(format_report(rank, self.limit_s, size, states, stacks, when, alone, headline, source))
 
     def _emit(self, text: str) -> None:
         # Straight to stderr, not through logging: os._exit follows, which flushes no handler,
@@ -271,7 +266,7 @@ class HangWatchdog:
         prefix = f"[rank {self.env.rank}] "
         sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))
         if self.report_path is not None:
-            _write_atomic(self.report_path, text)
+            write_report(self.report_path, text)
         self._exit(HANG_EXIT_CODE)
 
     def _exit(self, code: int) -> None:
@@ -283,13 +278,3 @@ class HangWatchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.error("could not write the hang report to %s: %s", path, exc)

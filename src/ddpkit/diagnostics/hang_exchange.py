@@ -1,29 +1,39 @@
-"""What the ranks' hang watchdogs say to each other through the store, key by key.
+"""What the hang collectors say to each other through a store, key by key: one conversation for
+the ranks' watchdogs (a party is a rank) and for the launchers under ``ddpkit run`` (a party is a
+node, speaking for its ranks).
 
-The keys, under ``hang_store.STORE_PREFIX`` (the launchers read ``summary`` and ``request`` through
-``watchdog_verdict`` below, so this file alone knows them):
+The keys, under ``hang_store.STORE_PREFIX`` for the watchdogs and ``RUN_PREFIX`` for the launchers
+(the launchers read a watchdog's ``summary`` and ``request`` through ``watchdog_verdict`` below, so
+this file alone knows them):
 
-    state/RANK   each rank: its progress (a ``RankState``), whenever it changes.
-    reporter     a counter: the rank whose ``add`` makes it 1 writes the report.
-    request      the reporter's rank: every other rank answers it once.
-    answer/RANK  the answer: the rank's fresh state and its training thread's stack.
-    summary      the reporter's one-line attribution and the report's path.
+    state/RANK   each rank's progress (a ``RankState``), whenever it changes.
+    reporter     a counter: the watchdog whose ``add`` makes it 1 writes the report (node 0's
+                 launcher always does: it hosts the store).
+    request      the reporter's party: every other party answers it once.
+    answer/RANK  the answer: the rank's fresh state and the stack of its threads.
+    summary      the reporter's one-line attribution (the launcher's: its whole verdict), the
+                 report's path, and the reporter.
+    ack/NODE     a launcher has read the summary (node 0 keeps its store up until then).
 
-Every call goes through a ``BoundedStore``: a store that does not answer makes a call return
-None (nothing published, nothing found) rather than block the watchdog.
+A watchdog calls through a ``BoundedStore``: a store that does not answer makes a call return None
+(nothing published, nothing found) rather than block it. A launcher calls its store directly
+(``DirectStore``): a failing call raises, and its monitor waits before it tries again.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
+from typing import Any
 
 import torch.distributed as dist
 
 from ddpkit.diagnostics.hang_state import RankState
 from ddpkit.diagnostics.hang_store import STORE_PREFIX, BoundedStore
 
+RUN_PREFIX = "ddpkit/run"
 REPORTER, REQUEST, SUMMARY = "reporter", "request", "summary"
 
 
@@ -35,68 +45,100 @@ def answer_key(rank: int) -> str:
     return f"answer/{rank}"
 
 
+class DirectStore:
+    """The launcher's store under ``RUN_PREFIX``, called as a ``BoundedStore`` is; failures raise."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = dist.PrefixStore(RUN_PREFIX, store)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.store, method)(*args)
+
+
 class Exchange:
-    """One rank's side of the conversation.
+    """One party's side of the conversation.
 
     Args:
-        store: the watchdog's bounded store.
-        rank: this rank.
-        world_size: how many ranks take part.
+        store: a watchdog's ``BoundedStore``, or a launcher's ``DirectStore``.
+        party: this rank (a watchdog) or this node (a launcher).
     """
 
-    def __init__(self, store: BoundedStore, rank: int, world_size: int) -> None:
-        self.store, self.rank, self.world_size = store, rank, world_size
+    def __init__(self, store: BoundedStore | DirectStore, party: int) -> None:
+        self.store, self.party = store, party
+        self.answered = False  # this party answered a request, or made it
+
+    def _get_if_set(self, key: str) -> bytes | None:
+        """The value of ``key``, or None when it is not set; never waits for it to appear."""
+        return self.store.call("get", key) if self.store.call("check", [key]) else None
 
     def publish(self, state: RankState) -> None:
-        self.store.call("set", state_key(self.rank), state.to_json())
+        self.store.call("set", state_key(state.rank), state.to_json())
 
-    def requested(self) -> bool:
-        """True once a reporter asked every rank for its answer."""
-        return bool(self.store.call("check", [REQUEST]))
+    def asked(self) -> bool:
+        """True the first time this party sees a reporter's request, which it must answer."""
+        if self.answered or not self.store.call("check", [REQUEST]):
+            return False
+        self.answered = True
+        return True
 
     def answer(self, state: RankState, stack: str) -> None:
         payload = {"state": asdict(state), "stack": stack}
-        self.store.call("set", answer_key(self.rank), json.dumps(payload))
+        self.store.call("set", answer_key(state.rank), json.dumps(payload))
 
     def claim(self) -> int | None:
         """1 when this rank is the reporter; more when another rank is; None: no store."""
         return self.store.call("add", REPORTER, 1)
 
     def reporter(self) -> int | None:
-        """The reporting rank, from ``request``; None when it cannot be read."""
+        """The reporting party, from ``request``; None when it cannot be read."""
         raw = self.store.call("get", REQUEST)
         return int(raw) if raw else None
 
-    def gather(self, state: RankState, stack: str, answer_s: float, poll_s: float) -> tuple[dict, dict]:
-        """The reporter's round: ask every rank, wait up to ``answer_s`` for the answers (they come
-        at each rank's next poll), and take the last published state of a rank that did not answer.
+    def states(self, ranks: Iterable[int]) -> dict[int, RankState]:
+        """The last published state of each of ``ranks`` that published one."""
+        raws = {rank: self._get_if_set(state_key(rank)) for rank in ranks}
+        return {rank: RankState.from_json(raw) for rank, raw in raws.items() if raw is not None}
+
+    def request(self) -> None:
+        """The reporter asks every other party for its ranks' answers."""
+        self.answered = True
+        self.store.call("set", REQUEST, str(self.party))
+
+    def answers(self, ranks: Iterable[int], wait_s: float, poll_s: float) -> dict[int, tuple[RankState, str]]:
+        """The answers of ``ranks``, waited for up to ``wait_s`` (they come at each party's next poll).
 
         Returns:
-            (states, stacks) by rank, this rank's own included; a silent rank has no stack.
+            (state, stack) by rank, of the ranks that answered in time.
         """
-        self.store.call("set", REQUEST, str(self.rank))
-        states, stacks = {self.rank: state}, {self.rank: stack}
-        for rank, answer in self._answers(answer_s, poll_s).items():
-            states[rank], stacks[rank] = RankState(**answer["state"]), answer["stack"]
-        for rank in set(range(self.world_size)) - set(states):
-            if (raw := self.store.get_if_set(state_key(rank))) is not None:
-                states[rank] = RankState.from_json(raw)
-        return states, stacks
-
-    def _answers(self, answer_s: float, poll_s: float) -> dict[int, dict]:
-        pending, found = set(range(self.world_size)) - {self.rank}, {}
-        deadline = time.monotonic() + answer_s
+        pending, found = set(ranks), {}
+        deadline = time.monotonic() + wait_s
         while pending and time.monotonic() < deadline:
             for rank in sorted(pending):
-                if (raw := self.store.get_if_set(answer_key(rank))) is not None:
-                    found[rank] = json.loads(raw)
+                if (raw := self._get_if_set(answer_key(rank))) is not None:
+                    answer = json.loads(raw)
+                    found[rank] = (RankState(**answer["state"]), answer["stack"])
                     pending.discard(rank)
             time.sleep(min(0.1, poll_s))
         return found
 
     def summarize(self, line: str, path: str) -> None:
-        """The one line and the report's path, for the launcher."""
-        self.store.call("set", SUMMARY, json.dumps({"reporter": self.rank, "line": line, "path": path}))
+        """The one line and the report's path, for the launchers."""
+        self.store.call("set", SUMMARY, json.dumps({"reporter": self.party, "line": line, "path": path}))
+
+    def summary(self) -> str | None:
+        """The reporter's line, once it wrote one."""
+        raw = self._get_if_set(SUMMARY)
+        return json.loads(raw)["line"] if raw is not None else None
+
+    def ack(self) -> None:
+        self.store.call("set", f"ack/{self.party}", "1")
+
+    def await_acks(self, parties: int, wait_s: float) -> None:
+        """Wait until every other party has read the summary, or ``wait_s`` passed."""
+        deadline = time.monotonic() + wait_s
+        keys = [f"ack/{party}" for party in range(parties) if party != self.party]
+        while not self.store.call("check", keys) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def watchdog_verdict(store: dist.Store) -> str | None:

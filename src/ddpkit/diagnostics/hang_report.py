@@ -9,10 +9,15 @@ outside, the CPU it used and its process state. Pure formatting, tested without 
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ddpkit.diagnostics.hang_state import RankState
+
+log = logging.getLogger(__name__)
 
 NO_ANSWER = "no answer: stopped (SIGSTOP), dead, or holding the GIL"
 THREAD_STACK = "stack of rank {} (main thread, innermost call last):"  # hang.py: thread_stack()
@@ -223,3 +228,14 @@ def format_report(
         rank_lines=[inside_line(r, states.get(r), now_wall, r in stacks) for r in listed],
         stacks=stacks,
     ).text()
+
+
+def write_report(path: Path, text: str) -> None:
+    """``text`` to ``path`` through a temporary file and a rename; a failure is logged, not raised."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.error("could not write the hang report to %s: %s", path, exc)

@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -80,9 +80,6 @@ class RankState:
     def silent_s(self, now_wall: float) -> float:
         """Seconds since the launcher last read it: a silent launcher has lost its node."""
         return max(0.0, now_wall - self.heard_wall) if self.outside else 0.0
-
-    def with_op(self, op: str) -> RankState:
-        return replace(self, op=op)
 
 
 class Progress:

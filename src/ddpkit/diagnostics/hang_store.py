@@ -83,10 +83,6 @@ class BoundedStore:
             log.debug("hang watchdog: store.%s failed: %s", method, exc)
         return None
 
-    def get_if_set(self, key: str) -> bytes | None:
-        """The value of ``key``, or None when it is not set; never waits for it to appear."""
-        return self.call("get", key) if self.call("check", [key]) else None
-
     def close(self) -> None:
         """Let the worker end once it is free (a worker stuck in a call stays, as a daemon)."""
         self._calls.put(None)

@@ -17,7 +17,22 @@ import sys
 import time
 import traceback
 
-CONFIG_ERROR = "config-error-"  # + rank: the message of that rank's ConfigError (failures.py reads it)
+# + rank: the message of that rank's ConfigError; failures.py reads it, and the launcher removes it
+# before a restart (hang_monitor.py).
+CONFIG_ERROR = "config-error-"
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for errors that mean another rank failed first (its collective partner disappeared)."""
+    # torch.distributed is loaded wherever one of its errors was raised.
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+    return (dist_error is not None and isinstance(exc, dist_error)) or mentions_peer_gone(str(exc))
+
+
+def mentions_peer_gone(text: str) -> bool:
+    """True when an error text says the other end of a collective went away."""
+    return any(marker in text for marker in PEER_GONE)
 
 
 def on_uncaught(previous, run_dir: str, rank: str, exc_type, exc, tb) -> None:
@@ -41,14 +56,6 @@ def on_uncaught(previous, run_dir: str, rank: str, exc_type, exc, tb) -> None:
     if _after_peer_config_error(exc, run_dir, rank):
         raise SystemExit(1)
     previous(exc_type, exc, tb)
-
-
-def forget_config_error(run_dir: str, rank: str) -> None:
-    """A restarted worker: its previous attempt's ConfigError is no longer news."""
-    try:
-        os.unlink(os.path.join(run_dir, f"{CONFIG_ERROR}{rank}"))
-    except OSError:
-        pass
 
 
 def _write_error_file(exc_type, exc, tb) -> None:
@@ -95,8 +102,6 @@ def _after_peer_config_error(exc, run_dir: str, rank: str) -> bool:
         names = os.listdir(run_dir)
         if not any(n.startswith(CONFIG_ERROR) and n != mine and not n.endswith(".tmp") for n in names):
             return False
-        from ddpkit.launch.failures import is_peer_failure  # at the error: torch is loaded by now
-
         return is_peer_failure(exc)
     except Exception:
         return False

@@ -13,25 +13,17 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ddpkit.errors import ConfigError
+from ddpkit.launch.boot_errors import (
+    CONFIG_ERROR,
+    is_peer_failure,  # noqa: F401  (launch/uncaught.py imports it from here)
+    mentions_peer_gone,
+)
+
 
 # What gloo and NCCL say when the other end of a collective went away: a consequence, not a cause.
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """True for errors that mean another rank failed first (its collective partner disappeared)."""
-    return isinstance(exc, dist.DistError) or mentions_peer_gone(str(exc))
-
-
-def mentions_peer_gone(text: str) -> bool:
-    """True when an error text says the other end of a collective went away."""
-    return any(marker in text for marker in PEER_GONE)
-
-
 class LaunchError(RuntimeError):
     """A child process failed; the others were stopped.
 
@@ -128,9 +120,8 @@ def _root_failure(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
     return (causes or by_time)[0]
 
 
-# A `ddpkit run` worker that raised a ConfigError leaves its message in RUN_DIR/config-error-RANK
-# (launch/workerboot/sitecustomize.py) and prints nothing; the launcher prints it once.
-CONFIG_ERROR = "config-error-"
+# A `ddpkit run` worker that raised a ConfigError leaves its message in RUN_DIR/CONFIG_ERROR + RANK
+# (launch/boot_errors.py) and prints nothing; the launcher prints it once.
 
 
 def user_error(run_dir: Path) -> ConfigError | None:

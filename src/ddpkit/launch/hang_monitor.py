@@ -2,17 +2,13 @@
 
 A daemon thread beside torch's elastic agent, in the launcher process, which user code cannot
 block. Every ``poll_s`` it reads its node's workers (``workerview.WorkerProgress``) and publishes
-them in the round's worker store (``stores.FreshWorkerStore``), under ``ddpkit/run/``:
-
-    state/RANK   each launcher: its ranks' ``RankState``, seen from outside.
-    request      node 0, on a hang: a number; each launcher answers with its ranks' stacks.
-    stack/RANK   the answer: faulthandler's dump of every thread of the rank.
-    verdict      node 0: the one-line attribution; every launcher then kills its workers,
-    ack/NODE     and says it has seen the verdict (node 0 keeps its store up until then).
+them in the round's worker store (``stores.FreshWorkerStore``), in the watchdogs' conversation
+(``diagnostics/hang_exchange.py``) with a node as the party: its answer is faulthandler's dump of
+every thread of each of its ranks, and it kills its workers once it reads the summary.
 
 Node 0 hosts the store, so it decides (``diagnostics.run_hang.find_hang``), writes the report to
 ``RUN_DIR/hang-report.txt`` and ends the round; the agent then restarts the workers
-(``--max-restarts``) or fails, and the launcher names the hang from ``verdict``, never from an
+(``--max-restarts``) or fails, and the launcher names the hang from the summary, never from an
 exit code a script could also use.
 """
 
@@ -29,13 +25,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.hang_exchange import state_key, watchdog_verdict
-from ddpkit.diagnostics.hang_state import RankState
+from ddpkit.diagnostics.hang_exchange import DirectStore, Exchange, watchdog_verdict
+from ddpkit.diagnostics.hang_report import write_report
 from ddpkit.diagnostics.run_hang import auto_timeout, find_hang, format_report
+from ddpkit.launch.boot_errors import CONFIG_ERROR
 from ddpkit.launch.stores import UNREACHABLE_KEY
 from ddpkit.launch.workerview import WorkerProgress, dump_stacks, is_our_worker
 
-PREFIX = "ddpkit/run"
 STORE_TIMEOUT_S = 5.0
 ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
 ACK_S = 10.0  # how long node 0 keeps the store up for the other nodes to read a verdict
@@ -67,12 +63,12 @@ class HangMonitor:
         self.new_round = new_round  # told each round's generation (restarts.RestartLine.on_round)
         self.verdict: str | None = None
         self.report_path = run_dir / "hang-report.txt"
-        self._round: tuple[int, int, dist.Store, int] | None = None  # node rank, nodes, store, generation
+        self._round: tuple[int, int, Exchange, int] | None = None  # node rank, nodes, exchange, generation
         self._worker_store: dist.Store | None = None
         self._round_store: dist.Store | None = None
         self._host_store: dist.Store | None = None
         self._quiet_until = 0.0
-        self._seen_generation, self._answered, self._ended = 0, "", False
+        self._seen_generation, self._ended = 0, False
         self._local = WorkerProgress(run_dir)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,13 +87,14 @@ class HangMonitor:
                 says so.
         """
         self._round_store = round_store
-        for pattern in ("progress-*", "stacks-*", "exit-*"):
+        # The last round's files; a ConfigError's message is no news to a restarted worker.
+        for pattern in ("progress-*", "stacks-*", "exit-*", f"{CONFIG_ERROR}*"):
             for path in self.run_dir.glob(pattern):
                 path.unlink(missing_ok=True)
         clone = store.clone()
         clone.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
         generation = self._round[3] + 1 if self._round else 1
-        self._round = (node_rank, nnodes, dist.PrefixStore(PREFIX, clone), generation)
+        self._round = (node_rank, nnodes, Exchange(DirectStore(clone), node_rank), generation)
         self._worker_store, self._host_store = clone, store
         if self.new_round is not None:
             self.new_round(generation)
@@ -149,77 +146,50 @@ class HangMonitor:
     def _tick(self) -> None:
         if self._round is None:
             return
-        node_rank, nnodes, store, generation = self._round
+        node_rank, nnodes, exchange, generation = self._round
         if generation != self._seen_generation:
-            self._seen_generation, self._answered, self._ended = generation, "", False
+            self._seen_generation, self._ended = generation, False
             self._local.reset()
         local = self._local.states()
         for state in local.values():
-            store.set(state_key(state.rank), state.to_json())
-        self._answer(store)
+            exchange.publish(state)
+        if exchange.asked():  # node 0 asks for this node's ranks' stacks
+            for rank, stack in dump_stacks(self.run_dir, self._local.pids()).items():
+                if rank in local:
+                    exchange.answer(local[rank], stack)
         if self._ended:
             return
-        if store.check(["verdict"]):
-            self._end(store.get("verdict").decode(), announce=False)
-            store.set(f"ack/{node_rank}", "1")  # node 0 may now let its store go
+        if (verdict := exchange.summary()) is not None:
+            self._end(verdict, announce=False)
+            exchange.ack()  # node 0 may now let its store go
         elif node_rank == 0 and local:
-            self._decide(store, max(s.world for s in local.values()))
+            self._decide(exchange, max(s.world for s in local.values()))
             if self._ended:
-                self._await_acks(store, nnodes)
+                # Keep node 0's store up until every node has read the verdict: a node whose rank
+                # spins in Python would otherwise never learn that the job is over.
+                exchange.await_acks(nnodes, ACK_S)
 
-    def _answer(self, store: dist.Store) -> None:
-        """Another node's launcher asks for stacks: dump this node's ranks into the store."""
-        if node_request := (store.get("request").decode() if store.check(["request"]) else ""):
-            if node_request != self._answered:
-                self._answered = node_request
-                for rank, text in dump_stacks(self.run_dir, self._local.pids()).items():
-                    store.set(f"stack/{rank}", text)
-
-    def _decide(self, store: dist.Store, world: int) -> None:
-        states = self._states(store, world)
+    def _decide(self, exchange: Exchange, world: int) -> None:
+        states = exchange.states(range(world))
         timeout = self.timeout_s or auto_timeout(states)
         summary = find_hang(states, world, timeout, time.time())
         if summary is None:
             return
         source = "--collective-timeout" if self.timeout_s else AUTO_SOURCE
-        stacks = self._stacks(store, world)
-        text = format_report(summary, timeout, world, states, stacks, time.time(), source)
-        tmp = self.report_path.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(self.report_path)
+        # Every rank's stack: this node's directly, the others' through their launchers.
+        exchange.request()
+        stacks = dump_stacks(self.run_dir, self._local.pids())
+        for rank, (_, stack) in exchange.answers(set(range(world)) - set(stacks), ANSWER_S, 0.2).items():
+            stacks[rank] = stack
+        write_report(
+            self.report_path, format_report(summary, timeout, world, states, stacks, time.time(), source)
+        )
         verdict = (
             f"a collective did not complete within {timeout:g} s ({source}): "
             f"{summary}; every rank's stack is in {self.report_path}"
         )
-        store.set("verdict", verdict)
+        exchange.summarize(verdict, str(self.report_path))
         self._end(verdict, announce=self.announce)
-
-    def _states(self, store: dist.Store, world: int) -> dict[int, RankState]:
-        found = {}
-        for rank in range(world):
-            if store.check([state_key(rank)]):
-                found[rank] = RankState.from_json(store.get(state_key(rank)))
-        return found
-
-    def _stacks(self, store: dist.Store, world: int) -> dict[int, str]:
-        """Every rank's stack: this node's directly, the others' through their launchers."""
-        self._answered = str(time.time())
-        store.set("request", self._answered)
-        stacks = dump_stacks(self.run_dir, self._local.pids())
-        deadline = time.monotonic() + ANSWER_S
-        while len(stacks) < world and time.monotonic() < deadline:
-            for rank in sorted(set(range(world)) - set(stacks)):
-                if store.check([f"stack/{rank}"]):
-                    stacks[rank] = store.get(f"stack/{rank}").decode()
-            time.sleep(0.2)
-        return stacks
-
-    def _await_acks(self, store: dist.Store, nnodes: int) -> None:
-        """Keep node 0's store up until every node has read the verdict (or ``ACK_S`` passed):
-        a node whose rank spins in Python would otherwise never learn that the job is over."""
-        deadline = time.monotonic() + ACK_S
-        while not store.check([f"ack/{n}" for n in range(1, nnodes)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
 
     def _end(self, verdict: str, announce: bool) -> None:
         """Kill this node's workers of the hung round; the agent then restarts them or gives up."""

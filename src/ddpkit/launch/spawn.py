@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 
 from ddpkit.diagnostics.hang_exchange import watchdog_verdict
 from ddpkit.errors import ConfigError
-from ddpkit.launch.failures import LaunchError, is_peer_failure
+from ddpkit.launch.boot_errors import is_peer_failure
+from ddpkit.launch.failures import LaunchError
 from ddpkit.launch.ranks import LocalRanks, enter_rank
 from ddpkit.launch.start_method import start_method
 from ddpkit.launch.stores import LOOPBACK, bound_store

@@ -90,8 +90,6 @@ def _main() -> None:
     _load("orphans").die_with_parent(expected_parent=int(agent))
     run_dir, rank = env["DDPKIT_RUN_DIR"], env["RANK"]
     _kept.extend(_load("boot_stacks").register_stacks(run_dir, rank, int(env["DDPKIT_STACK_SIGNAL"])))
-    if os.path.exists(os.path.join(run_dir, f"config-error-{rank}")):
-        _load("boot_errors").forget_config_error(run_dir, rank)  # a restarted worker's old news
     sys.excepthook = _excepthook(sys.excepthook, run_dir, rank)
     global WORKER
     WORKER = True  # ddpkit.launch.uncaught leaves this worker's uncaught exceptions to the hook above
