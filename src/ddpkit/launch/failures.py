@@ -16,14 +16,9 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ddpkit.errors import ConfigError
-from ddpkit.launch.boot_errors import (
-    CONFIG_ERROR,
-    is_peer_failure,  # noqa: F401  (launch/uncaught.py imports it from here)
-    mentions_peer_gone,
-)
+from ddpkit.launch.boot_errors import CONFIG_ERROR, mentions_peer_gone
 
 
-# What gloo and NCCL say when the other end of a collective went away: a consequence, not a cause.
 class LaunchError(RuntimeError):
     """A child process failed; the others were stopped.
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ddpkit.dist import read_launcher_vars
 from ddpkit.dist.init import job_store
 from ddpkit.errors import USER_ERROR, ConfigError
-from ddpkit.launch.failures import is_peer_failure
+from ddpkit.launch.boot_errors import is_peer_failure
 from ddpkit.launch.no_gpu import no_gpu_line
 
 MARK = "ddpkit/config-error/"  # + rank: that rank raised a ConfigError (the value: its message)
