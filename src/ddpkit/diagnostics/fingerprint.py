@@ -26,18 +26,25 @@ def fingerprint(module: nn.Module, buffers: bool = True) -> tuple[list[str], tor
     names, values = [], []
     # Looked up, not imported: DTensor costs a second at start-up, and exists only once FSDP does.
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
-    tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else [])]
-    for name, tensor in tensors:
+    tensors = []
+    for name, tensor in [*module.named_parameters(), *(module.named_buffers() if buffers else [])]:
         if tensor.is_meta:  # no values yet (run.setup gives a meta model its own)
             continue
         if dtensor and isinstance(tensor, dtensor):
             if any(placement.is_shard() for placement in tensor.placements):
                 continue
             tensor = tensor.to_local()
-        flat = tensor.detach().to(torch.float64).flatten()
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        tensors.append((name, tensor.detach()))
+    positions: dict[torch.device, torch.Tensor] = {}  # 1, 2, 3, ... made once a device, sliced
+    longest = max((t.numel() for _, t in tensors), default=0)
+    for name, tensor in tensors:
+        flat = tensor.to(torch.float64).flatten()
+        if flat.device not in positions:
+            positions[flat.device] = torch.arange(1, longest + 1, dtype=torch.float64, device=flat.device)
         names.append(name)
-        values += [flat.sum(), (flat * weights).sum()]
+        # A dot product instead of (flat * positions).sum(): one pass, no temporary the size of
+        # the tensor (4 to 5 times faster on a 30M-parameter GPT, on a CPU).
+        values += [flat.sum(), torch.dot(flat, positions[flat.device][: flat.numel()])]
     return names, torch.stack(values).cpu() if values else torch.zeros(0, dtype=torch.float64)
 
 
