@@ -95,10 +95,14 @@ class StepBoundaries:
             self.preemption.pace(record["step_s"], self.monitor.every)
 
     def _extra(self) -> dict:
-        extra = {"epoch": self.state.epoch}  # the step's own, not the pass the loader is on now
-        # The rate the step ran at: a scheduler stepped after the optimizer has set the next one.
-        lr = {"lr": self.gate.last_lr} if self.gate.last_lr is not None else {}
-        return extra | {"skipped_steps": self.gate.skipped_steps} | lr
+        """A metrics line's own fields, made every step (one small dict): the step's epoch (not the
+        pass the loader is on now), the skipped steps, and the rate the step ran at (a scheduler
+        stepped after the optimizer has set the next one)."""
+        gate = self.gate
+        extra = {"epoch": self.state.epoch, "skipped_steps": gate.skipped_steps}
+        if gate.last_lr is not None:
+            extra["lr"] = gate.last_lr
+        return extra
 
     def checkpoint(self, final: bool = False) -> None:
         """Write every registered object's state at this step (``final``: marked as the command's

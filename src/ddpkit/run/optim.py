@@ -276,17 +276,17 @@ def ungated(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 def total_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """The gradients' global 2-norm, a plain tensor, clipping them to ``max_norm`` when it is above 0."""
-    grads = [p.grad for p in params]
-    first = grads[0] if grads else None
     if max_norm > 0:
         norm = nn.utils.clip_grad_norm_(params, max_norm)
-    elif first is not None and all(
-        type(g) is torch.Tensor and g.device == first.device and g.dtype == first.dtype for g in grads
-    ):
-        # One foreach kernel and a norm of the norms: get_total_norm's grouping by device and
-        # dtype costs 15 us a step more in Python, paid on every step for the non-finite check.
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     else:
+        grads = [p.grad for p in params]
+        first = grads[0] if grads else None
+        if first is not None and all(
+            type(g) is torch.Tensor and g.device == first.device and g.dtype == first.dtype for g in grads
+        ):
+            # One foreach kernel and a norm of the norms: get_total_norm's grouping by device and
+            # dtype costs 15 us a step more in Python, paid on every step for the non-finite check.
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         norm = nn.utils.get_total_norm(grads)
     # fsdp's sharded gradients give a DTensor norm. Its full tensor is the same value on every rank
     # (a no-op for a replicated one) and a plain tensor, which a pinned host copy can take.
