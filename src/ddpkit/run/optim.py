@@ -75,11 +75,12 @@ class OptimizerGate:
 
     def keeps_grads(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer.zero_grad()`` must keep the gradients: a backward ran in the open
-        step and this optimizer has not stepped since its last zero_grad (else they are cleared)."""
-        if self.state.has_backward and id(optimizer) not in self._stepped:
-            return True
+        step and this optimizer has not stepped since its last zero_grad."""
+        return self.state.has_backward and id(optimizer) not in self._stepped
+
+    def zeroed(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.zero_grad()`` cleared its gradients: its next step starts afresh."""
         self._stepped.discard(id(optimizer))
-        return False
 
     def track(self, obj: object) -> None:
         """Gate an optimizer, LR scheduler or EMA (other objects are left alone); the first
@@ -171,6 +172,7 @@ class _GatedOptimizer:
         if gate.keeps_grads(self):
             gate.held.reopen(_params(self))  # drops what came after its last step
             return
+        gate.zeroed(self)
         super().zero_grad(set_to_none)
 
     def __reduce_ex__(self, protocol: int) -> Any:
