@@ -15,9 +15,9 @@ from ddpkit.diagnostics import desync_probe
 from ddpkit.diagnostics.desync import Blocked, blocked_record, desync_line, find_desync, signature
 from ddpkit.diagnostics.desync_probe import DesyncProbe
 from ddpkit.diagnostics.hang import HangWatchdog
+from ddpkit.diagnostics.hang_exchange import BoundedStore
 from ddpkit.diagnostics.hang_report import format_report
 from ddpkit.diagnostics.hang_state import RankState
-from ddpkit.diagnostics.hang_store import BoundedStore
 from ddpkit.diagnostics.stacks import user_frame
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError

@@ -1,7 +1,7 @@
 """Diagnostics: replica fingerprints (desync), hang attribution, CPU oversubscription.
 
 ``HangWatchdog`` is imported on first use (PEP 562), so that the launcher, which imports the
-hang monitor's pieces from here (``run_hang``, ``hang_store``), never loads the watchdog.
+hang monitor's pieces from here (``hang_report``, ``hang_exchange``), never loads the watchdog.
 """
 
 from ddpkit.diagnostics.consistency import check_same_config

@@ -23,7 +23,7 @@ import logging
 import time
 
 from ddpkit.diagnostics.desync import Blocked, blocked_record, find_desync
-from ddpkit.diagnostics.hang_store import BoundedStore
+from ddpkit.diagnostics.hang_exchange import BoundedStore
 from ddpkit.diagnostics.stacks import flight_entries, user_frame
 
 log = logging.getLogger(__name__)

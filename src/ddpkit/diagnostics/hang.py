@@ -35,10 +35,9 @@ import torch.distributed as dist
 from ddpkit.diagnostics.desync import Blocked, desync_headline, desync_line
 from ddpkit.diagnostics.desync_probe import DesyncProbe
 from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
-from ddpkit.diagnostics.hang_exchange import Exchange
+from ddpkit.diagnostics.hang_exchange import STORE_TIMEOUT_S, BoundedStore, Exchange, watchdog_store
 from ddpkit.diagnostics.hang_report import format_report, summary_line, write_report
 from ddpkit.diagnostics.hang_state import Progress, RankState
-from ddpkit.diagnostics.hang_store import STORE_TIMEOUT_S, BoundedStore, watchdog_store
 from ddpkit.diagnostics.stacks import inflight_op, thread_stack
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError

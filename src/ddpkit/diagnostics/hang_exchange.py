@@ -2,7 +2,7 @@
 the ranks' watchdogs (a party is a rank) and for the launchers under ``ddpkit run`` (a party is a
 node, speaking for its ranks).
 
-The keys, under ``hang_store.STORE_PREFIX`` for the watchdogs and ``RUN_PREFIX`` for the launchers
+The keys, under ``STORE_PREFIX`` for the watchdogs and ``RUN_PREFIX`` for the launchers
 (the launchers read a watchdog's ``summary`` and ``request`` through ``watchdog_verdict`` below, so
 this file alone knows them):
 
@@ -15,24 +15,36 @@ this file alone knows them):
                  report's path, and the reporter.
     ack/NODE     a launcher has read the summary (node 0 keeps its store up until then).
 
-A watchdog calls through a ``BoundedStore``: a store that does not answer makes a call return None
-(nothing published, nothing found) rather than block it. A launcher calls its store directly
-(``DirectStore``): a failing call raises, and its monitor waits before it tries again.
+Each party calls its own client of the store (``own_client``), so a call never waits behind the
+main thread's store call, with a short timeout. A watchdog calls through a ``BoundedStore``: a
+store that does not answer makes a call return None (nothing published, nothing found) rather
+than block it. A launcher calls its store directly (``DirectStore``): a failing call raises, and
+its monitor waits before it tries again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import queue
+import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from ddpkit.diagnostics.hang_state import RankState
-from ddpkit.diagnostics.hang_store import STORE_PREFIX, BoundedStore
+from ddpkit.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
+STORE_PREFIX = "ddpkit/hang"
+STORE_TIMEOUT_S = 5.0
 RUN_PREFIX = "ddpkit/run"
 REPORTER, REQUEST, SUMMARY = "reporter", "request", "summary"
 
@@ -43,6 +55,80 @@ def state_key(rank: int) -> str:
 
 def answer_key(rank: int) -> str:
     return f"answer/{rank}"
+
+
+def own_client(store: dist.Store, timeout_s: float = STORE_TIMEOUT_S) -> dist.Store:
+    """A client of ``store``'s server for a hang collector alone.
+
+    The main thread may be inside a store call (new_group, a store barrier) when the collector
+    needs the store, and one TCPStore client serializes its calls with a lock; ``clone()`` opens a
+    second connection to the same server (c10d's "thread safe copy" of a store), whose timeout can
+    then be short without touching the process group's or the agent's.
+
+    Args:
+        store: the default group's store (a watchdog), or the round's worker store (a launcher).
+        timeout_s: the timeout of ``get`` and ``wait`` on the clone.
+    """
+    clone = store.clone()
+    clone.set_timeout(timedelta(seconds=timeout_s))
+    return clone
+
+
+def watchdog_store() -> dist.Store:
+    """The watchdog's own client of the default group's store."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("HangWatchdog needs a process group: call ddpkit.init_distributed() first")
+    return own_client(dist.distributed_c10d._get_default_store())
+
+
+class BoundedStore:
+    """Store calls that give up after ``timeout_s`` instead of blocking the caller forever.
+
+    In torch 2.13 a TCPStore ``check`` on a store host frozen by SIGSTOP (rank 0 under
+    ``ddpkit.launch``) waits for the reply forever: the store's timeout bounds ``get`` and
+    ``wait``, not every call. So calls run on one daemon worker thread and the caller waits at
+    most ``timeout_s``; while an earlier call is still stuck on that worker, every call fails at
+    once. Failures return None.
+
+    Args:
+        store: the store to call, prefixed with ``STORE_PREFIX``.
+        timeout_s: how long one call may take.
+    """
+
+    def __init__(self, store: dist.Store, timeout_s: float = STORE_TIMEOUT_S) -> None:
+        self.store, self.timeout_s = dist.PrefixStore(STORE_PREFIX, store), timeout_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Future | None = None
+        self._worker = threading.Thread(target=self._serve, name="ddpkit-hang-store", daemon=True)
+        self._worker.start()
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            method, args, future = item
+            try:
+                future.set_result(getattr(self.store, method)(*args))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """``store.<method>(*args)``, or None when it fails or takes longer than ``timeout_s``."""
+        if self._last is not None and not self._last.done():
+            return None  # the worker is still stuck in an earlier call: the store host is frozen
+        self._last = future = Future()
+        self._calls.put((method, args, future))
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            log.debug(
+                "hang watchdog: store.%s took over %g s; the store host may be frozen", method, self.timeout_s
+            )
+        except RuntimeError as exc:  # DistStoreError, DistNetworkError: the host may be gone
+            log.debug("hang watchdog: store.%s failed: %s", method, exc)
+        return None
+
+    def close(self) -> None:
+        """Let the worker end once it is free (a worker stuck in a call stays, as a daemon)."""
+        self._calls.put(None)
 
 
 class DirectStore:

@@ -20,19 +20,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.hang_exchange import DirectStore, Exchange, watchdog_verdict
+from ddpkit.diagnostics.hang_exchange import (
+    STORE_TIMEOUT_S,
+    DirectStore,
+    Exchange,
+    own_client,
+    watchdog_verdict,
+)
 from ddpkit.diagnostics.hang_report import write_report
 from ddpkit.diagnostics.run_hang import auto_timeout, find_hang, format_report
 from ddpkit.launch.boot_errors import CONFIG_ERROR
 from ddpkit.launch.stores import UNREACHABLE_KEY
 from ddpkit.launch.workerview import WorkerProgress, dump_stacks, is_our_worker
 
-STORE_TIMEOUT_S = 5.0
 ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
 ACK_S = 10.0  # how long node 0 keeps the store up for the other nodes to read a verdict
 QUIET_S = 10.0  # after a failed store call, how long to wait before the next
@@ -91,8 +95,7 @@ class HangMonitor:
         for pattern in ("progress-*", "stacks-*", "exit-*", f"{CONFIG_ERROR}*"):
             for path in self.run_dir.glob(pattern):
                 path.unlink(missing_ok=True)
-        clone = store.clone()
-        clone.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+        clone = own_client(store)
         generation = self._round[3] + 1 if self._round else 1
         self._round = (node_rank, nnodes, Exchange(DirectStore(clone), node_rank), generation)
         self._worker_store, self._host_store = clone, store
