@@ -11,9 +11,15 @@ import torch
 import torch.distributed as dist
 from helpers import run_ranks
 
-from ddpkit.diagnostics import desync_probe
-from ddpkit.diagnostics.desync import Blocked, blocked_record, desync_line, find_desync, signature
-from ddpkit.diagnostics.desync_probe import DesyncProbe
+from ddpkit.diagnostics import desync as desync_probe
+from ddpkit.diagnostics.desync import (
+    Blocked,
+    DesyncProbe,
+    blocked_record,
+    desync_line,
+    find_desync,
+    signature,
+)
 from ddpkit.diagnostics.hang import HangWatchdog
 from ddpkit.diagnostics.hang_exchange import BoundedStore
 from ddpkit.diagnostics.hang_report import format_report

@@ -13,7 +13,7 @@ through these states:
         following: answer REQUEST once with a fresh state and the main thread's stack; exit
                    follow_s later, in case the launcher does not stop this rank.
     watching --(store unreachable at the timeout)--> report this rank's view alone and exit.
-    watching --(every rank blocked desync_s in different collectives, desync_probe.py)--> as at
+    watching --(every rank blocked desync_s in different collectives, desync.py)--> as at
                the timeout, with the desync as the report's first line.
 
 A rank frozen by SIGSTOP (its watchdog thread is frozen too), dead, or holding the GIL cannot
@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.desync import Blocked, desync_headline, desync_line
-from ddpkit.diagnostics.desync_probe import DesyncProbe
+from ddpkit.diagnostics.desync import Blocked, DesyncProbe, desync_headline, desync_line
 from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
 from ddpkit.diagnostics.hang_exchange import STORE_TIMEOUT_S, BoundedStore, Exchange, watchdog_store
 from ddpkit.diagnostics.hang_report import format_report, summary_line, write_report
