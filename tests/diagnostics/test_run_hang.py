@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ddpkit.diagnostics.run_hang import WorkerState, auto_timeout, find_hang, format_report
+from ddpkit.diagnostics.hang_report import format_run_report as format_report
+from ddpkit.diagnostics.hang_state import WorkerState, auto_timeout, find_hang
 
 NOW = 1000.0
 

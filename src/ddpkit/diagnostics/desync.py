@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ddpkit.diagnostics.hang_exchange import BoundedStore
-from ddpkit.diagnostics.hang_report import ranks_text
+from ddpkit.diagnostics.hang_state import ranks_text
 from ddpkit.diagnostics.stacks import flight_entries, user_frame
 
 log = logging.getLogger(__name__)

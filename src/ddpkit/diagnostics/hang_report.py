@@ -1,129 +1,72 @@
 """The hang report: which ranks have not reached which collective, and where every rank is.
 
-One attribution (``attribute``) and one report (``Report``) over the one record
-(``hang_state.RankState``), whichever collector filled it: the watchdog thread inside each rank
-(``hang.py``) or the launcher outside it (``launch/hang_monitor.py``, through ``run_hang.py``).
-A rank's line shows what its collector could see: inside, its phase and whether it answered;
-outside, the CPU it used and its process state. Pure formatting, tested without processes.
+One report (``Report``) over the one record and the one attribution (``hang_state``), whichever
+collector filled the record: the watchdog thread inside each rank (``hang.py``) or the launcher
+outside it (``launch/hang_monitor.py``). A rank's line shows what its collector could see:
+inside, its phase and whether it answered; outside, the CPU it used and its process state. Pure
+formatting, tested without processes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.diagnostics.hang_state import RankState
+from ddpkit.diagnostics.hang_state import Attribution, RankState, collective, ranks_text
 
 log = logging.getLogger(__name__)
 
 NO_ANSWER = "no answer: stopped (SIGSTOP), dead, or holding the GIL"
+NO_STATE = "never reported (not started, or its node's launcher is gone)"
 THREAD_STACK = "stack of rank {} (main thread, innermost call last):"  # hang.py: thread_stack()
+DUMP_STACKS = "stacks of rank {} (every thread, most recent call first):"  # faulthandler's dump
+NOT_ASKED = "(no stack: the rank could not be asked)"
 STALE_S = 15.0  # a launcher silent this long has lost its node, or the network to it
 
 
-def ranks_text(ranks: Iterable[int]) -> str:
-    """``rank 3`` or ``ranks 0, 2``."""
-    ranks = list(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+def rank_line(rank: int, state: RankState | None, now_wall: float, newest: int, answered: bool) -> str:
+    """One rank's line, in the words its collector could see (``state.outside`` tells which).
 
-
-@dataclass(frozen=True)
-class Attribution:
-    """Who waits in the newest collective, and who has not reached it.
-
-    A rank's sequence number counts the collectives it has issued on the default group, and a
-    collective completes only once every rank has issued it. So the ranks at the highest number
-    that are still in the loop wait in that collective, and every other rank has not reached it:
-    one below it, one that left the loop, one with no process group yet.
+    Inside: where it is, its phase, how long it has been idle and whether it answered. Outside:
+    where it is, its idle time and the CPU it used since, and its process state.
 
     Args:
-        newest: the highest sequence number (-1: no rank has a process group yet).
-        waiting: the ranks at ``newest`` that have not left, by rank.
-        behind: every other rank that has a state, by rank.
-        unknown: the ranks with no state.
+        rank: the rank.
+        state: its state; None when it never reported.
+        now_wall: ``time.time()`` when the report was made.
+        newest: the highest sequence number any rank issued.
+        answered: whether it answered the reporter with its stack (inside).
     """
-
-    newest: int
-    waiting: list[RankState]
-    behind: list[RankState]
-    unknown: list[int]
-
-    @classmethod
-    def of(cls, states: Mapping[int, RankState], world_size: int) -> Attribution:
-        """Split the ranks into those waiting in the newest collective and those that have not reached it.
-
-        Args:
-            states: the latest state of every rank that has one.
-            world_size: number of ranks in the job.
-        """
-        newest = max((s.seq for s in states.values() if s.seq >= 0), default=-1)
-        ranks = sorted(states)
-        waiting = [r for r in ranks if newest >= 0 and states[r].seq == newest and not states[r].left]
-        behind = [states[r] for r in ranks if r not in waiting]
-        unknown = [r for r in range(world_size) if r not in states]
-        return cls(newest, [states[r] for r in waiting], behind, unknown)
-
-    def late_line(self, late: Sequence[int], waited_s: float | None = None) -> str:
-        """``ranks 0, 1 wait in collective #5 (...); rank 2 has not reached it``.
-
-        Args:
-            late: the ranks to name as not there (the launcher counts unknown ranks too).
-            waited_s: the longest wait, when the collector measured it (``waited 31 s``).
-        """
-        wait = (
-            ("waits" if len(self.waiting) == 1 else "wait")
-            if waited_s is None
-            else f"waited {waited_s:.0f} s"
-        )
-        verb = "has" if len(late) == 1 else "have"
-        where = collective(self.newest, self.waiting)
-        who = ranks_text(s.rank for s in self.waiting)
-        return f"{who} {wait} in collective {where}; {ranks_text(late)} {verb} not reached it"
-
-
-def collective(seq: int, states: Sequence[RankState]) -> str:
-    """``#7 (gloo:all_reduce; step 3, phase 'log: loss all_reduce')`` from the ranks inside it; ``#7``
-    when their collector knew neither (outside the process)."""
-    if all(s.outside for s in states):
-        return f"#{seq}"
-    ops = sorted({s.op for s in states if s.op})
-    where = sorted({(s.step, s.phase) for s in states})
-    parts = ["/".join(ops) or "op unknown"] + [f"step {step}, phase {phase!r}" for step, phase in where]
-    return f"#{seq} ({'; '.join(parts)})"
-
-
-def inside_line(rank: int, state: RankState | None, now_wall: float, answered: bool) -> str:
-    """A rank its watchdog published: where it is, how long it has been idle, whether it answered."""
     if state is None:
-        return f"rank {rank}: no state published; {'answered' if answered else NO_ANSWER}"
-    op = f" ({state.op})" if state.op else ""
-    where = f"rank {rank}: issued #{state.seq}{op}, step {state.step}, phase {state.phase!r}"
-    who = f"idle {state.idle_s(now_wall):.1f} s, pid {state.pid} on {state.host}"
-    if answered:
-        return f"{where}, {who}: answered"
-    return f"{where}, {who}: {NO_ANSWER} (try: py-spy dump --pid {state.pid} on {state.host})"
-
-
-def outside_line(rank: int, state: RankState | None, now_wall: float, newest: int) -> str:
-    """A rank its launcher saw from outside: where it is, its idle time and CPU, its process state."""
-    if state is None:
-        return f"rank {rank}: never reported (its worker did not start, or its node's launcher is gone)"
+        return f"rank {rank}: {NO_STATE}"
     where = "no process group yet" if state.seq < 0 else f"issued #{state.seq}"
+    idle = f"idle {state.idle_s(now_wall):.1f} s"
+    who = f"pid {state.pid} on {state.host}"
+    if state.outside:
+        line = f"rank {rank}: {where}{_outside_where(state, newest)}; {idle}, {state.cpu_s:.1f} s CPU since"
+        return f"{line}; {who}: {_outside_process(state, now_wall)}"
+    op = f" ({state.op})" if state.op else ""
+    line = f"rank {rank}: {where}{op}, step {state.step}, phase {state.phase!r}, {idle}, {who}"
+    if answered:
+        return f"{line}: answered"
+    return f"{line}: {NO_ANSWER} (try: py-spy dump --pid {state.pid} on {state.host})"
+
+
+def _outside_where(state: RankState, newest: int) -> str:
     if state.left:
-        where += ", then destroyed its process group"
-    elif state.proc.startswith("stopped"):
-        where += " when last seen (a stopped process's count is up to one poll old)"
-    elif 0 <= state.seq < newest:
-        where += f", {newest - state.seq} behind"
-    line = f"rank {rank}: {where}; idle {state.idle_s(now_wall):.1f} s, {state.cpu_s:.1f} s CPU since"
-    line += f"; pid {state.pid} on {state.host}"
+        return ", then destroyed its process group"
+    if state.proc.startswith("stopped"):
+        return " when last seen (a stopped process's count is up to one poll old)"
+    return f", {newest - state.seq} behind" if 0 <= state.seq < newest else ""
+
+
+def _outside_process(state: RankState, now_wall: float) -> str:
     if (silent := state.silent_s(now_wall)) > STALE_S:
-        unreachable = f"its node, or the network to {state.host}, is unreachable"
-        return f"{line}: not heard from for {silent:.0f} s: {unreachable}"
-    return f"{line}: {state.proc}"
+        return f"not heard from for {silent:.0f} s: its node, or the network to {state.host}, is unreachable"
+    return state.proc
 
 
 @dataclass(frozen=True)
@@ -133,24 +76,30 @@ class Report:
     Args:
         headline: what the report is about; its first line follows "ddpkit hang report: ".
         attribution: who waits and who is behind, in lines.
-        rank_lines: one line per rank listed.
-        stacks: each rank's stack text, by rank (a rank that could not be asked has none).
-        stack_title: the heading of a rank's stack, ``{}`` for the rank: it says which threads
-            the stack collector dumped and in which order.
+        states: the state of each rank listed, by rank (None: it never reported).
+        stacks: each rank's stack text, by rank. Inside, the ranks that answered; outside, every
+            listed rank gets faulthandler's dump of every thread, or why there is none.
+        now_wall: ``time.time()`` when the report was made.
     """
 
     headline: Sequence[str]
     attribution: Sequence[str]
-    rank_lines: Sequence[str]
+    states: Mapping[int, RankState | None]
     stacks: Mapping[int, str]
-    stack_title: str = THREAD_STACK
+    now_wall: float
 
     def text(self) -> str:
+        known = [s for s in self.states.values() if s is not None]
+        newest = max((s.seq for s in known), default=-1)
+        outside = any(s.outside for s in known)
         first, *more = self.headline
         lines = [f"ddpkit hang report: {first}", *more, *self.attribution, "", "ranks:"]
-        lines += [f"  {line}" for line in self.rank_lines]
-        for rank in sorted(self.stacks):
-            lines += ["", self.stack_title.format(rank), self.stacks[rank].rstrip("\n")]
+        for rank, state in sorted(self.states.items()):
+            lines.append(f"  {rank_line(rank, state, self.now_wall, newest, rank in self.stacks)}")
+        stacks = {r: self.stacks.get(r, NOT_ASKED) for r in self.states} if outside else self.stacks
+        for rank in sorted(stacks):
+            title = (DUMP_STACKS if outside else THREAD_STACK).format(rank)
+            lines += ["", title, stacks[rank].rstrip("\n")]
         return "\n".join(lines) + "\n"
 
 
@@ -225,8 +174,38 @@ def format_report(
     return Report(
         headline=headline or [timed_out],
         attribution=[alone] if alone else attribute(states, world_size),
-        rank_lines=[inside_line(r, states.get(r), now_wall, r in stacks) for r in listed],
+        states={r: states.get(r) for r in listed},
         stacks=stacks,
+        now_wall=now_wall,
+    ).text()
+
+
+def format_run_report(
+    summary: str,
+    timeout_s: float,
+    world: int,
+    states: Mapping[int, RankState],
+    stacks: Mapping[int, str],
+    now_wall: float,
+    source: str = "--collective-timeout",
+) -> str:
+    """The launcher's report, as text: ``find_hang``'s line is its attribution.
+
+    Args:
+        summary: ``find_hang``'s line.
+        timeout_s: ``--collective-timeout``.
+        world: the world size.
+        states: each rank's state.
+        stacks: each rank's faulthandler dump (all threads, most recent call first), or why none.
+        now_wall: ``time.time()`` when the report was made.
+        source: where ``timeout_s`` came from, for the first line.
+    """
+    return Report(
+        headline=[f"a collective did not complete within {timeout_s:g} s ({source})"],
+        attribution=[summary],
+        states={r: states.get(r) for r in range(world)},
+        stacks=stacks,
+        now_wall=now_wall,
     ).text()
 
 

@@ -6,7 +6,7 @@ them in the round's worker store (``stores.FreshWorkerStore``), in the watchdogs
 (``diagnostics/hang_exchange.py``) with a node as the party: its answer is faulthandler's dump of
 every thread of each of its ranks, and it kills its workers once it reads the summary.
 
-Node 0 hosts the store, so it decides (``diagnostics.run_hang.find_hang``), writes the report to
+Node 0 hosts the store, so it decides (``diagnostics.hang_state.find_hang``), writes the report to
 ``RUN_DIR/hang-report.txt`` and ends the round; the agent then restarts the workers
 (``--max-restarts``) or fails, and the launcher names the hang from the summary, never from an
 exit code a script could also use.
@@ -31,8 +31,8 @@ from ddpkit.diagnostics.hang_exchange import (
     own_client,
     watchdog_verdict,
 )
-from ddpkit.diagnostics.hang_report import write_report
-from ddpkit.diagnostics.run_hang import auto_timeout, find_hang, format_report
+from ddpkit.diagnostics.hang_report import format_run_report, write_report
+from ddpkit.diagnostics.hang_state import auto_timeout, find_hang
 from ddpkit.launch.boot_errors import CONFIG_ERROR
 from ddpkit.launch.stores import UNREACHABLE_KEY
 from ddpkit.launch.workerview import WorkerProgress, dump_stacks, is_our_worker
@@ -185,7 +185,7 @@ class HangMonitor:
         for rank, (_, stack) in exchange.answers(set(range(world)) - set(stacks), ANSWER_S, 0.2).items():
             stacks[rank] = stack
         write_report(
-            self.report_path, format_report(summary, timeout, world, states, stacks, time.time(), source)
+            self.report_path, format_run_report(summary, timeout, world, states, stacks, time.time(), source)
         )
         verdict = (
             f"a collective did not complete within {timeout:g} s ({source}): "

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.diagnostics.hang_state import RankState
+from ddpkit.diagnostics.hang_state import Progress, RankState
 from ddpkit.launch.boot_progress import THREAD_FUNCTION
 
 # A real-time signal: no script or library uses one for itself (macOS has none: SIGUSR2 there).
@@ -78,7 +78,7 @@ class WorkerProgress:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.host = socket.gethostname()
-        self._since: dict[int, tuple[int, int, float, float, float]] = {}  # rank -> pid, seq, mono, wall, cpu
+        self._since: dict[tuple[int, int], Progress] = {}  # (rank, pid) -> when it last progressed
 
     def reset(self) -> None:
         self._since.clear()
@@ -93,12 +93,11 @@ class WorkerProgress:
     def _state(self, rank: int, progress: ProgressLine, now_mono: float, now_wall: float) -> RankState:
         stat = proc_stat(progress.pid) if is_our_worker(progress.pid) else None
         cpu = stat[1] if stat else 0.0
-        pid, seq, mono, _, cpu0 = self._since.get(rank, (0, -2, now_mono, now_wall, cpu))
-        if (pid, seq) != (progress.pid, progress.seq):
-            mono, cpu0 = now_mono, cpu
-            self._since[rank] = (progress.pid, progress.seq, mono, now_wall, cpu0)
+        # A restarted worker is another process: its progress starts afresh.
+        since = self._since.setdefault((rank, progress.pid), Progress(now_mono, cpu))
+        since.observe(progress.seq, None, now_mono, cpu)
         return RankState.from_outside(
-            idle_s=now_mono - mono,
+            idle_s=since.idle(now_mono),
             heard_wall=now_wall,
             rank=rank,
             seq=progress.seq,
@@ -106,7 +105,7 @@ class WorkerProgress:
             host=self.host,
             left=progress.left,
             world=progress.world,
-            cpu_s=max(0.0, cpu - cpu0),
+            cpu_s=max(0.0, cpu - since.cpu_s),
             proc=PROC_STATES.get(stat[0], stat[0]) if stat else "exited",
             group_timeout_s=progress.group_timeout_s,
         )
