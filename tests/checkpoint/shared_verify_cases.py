@@ -1,5 +1,5 @@
 """A sharded run (fsdp, 2 processes) that checkpoints every 2 steps, and its rerun: what
-tests/checkpoint/test_checkpoint_shared_verify.py launches."""
+tests/checkpoint/test_checkpoint_shared_verify.py launches, and the bytes each rank hashes doing it."""
 
 from __future__ import annotations
 
@@ -9,14 +9,19 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.checkpoint.files import hashed_bytes
+
+
+def _run(out: str, steps: int) -> ddpkit.Run:
+    return ddpkit.Run(
+        out=out, global_batch=8, engine="fsdp", save_every=2, keep_last=3, steps=steps, progress=False
+    )
 
 
 def train(out: str, steps: int) -> int:
     """Train to ``steps`` (resuming when OUT has checkpoints); the step the loop's first batch
     opened, which tells which checkpoint the run resumed from."""
-    run = ddpkit.Run(
-        out=out, global_batch=8, engine="fsdp", save_every=2, keep_last=3, steps=steps, progress=False
-    )
+    run = _run(out, steps)
     torch.manual_seed(0)
     model = run.setup(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -30,3 +35,19 @@ def train(out: str, steps: int) -> int:
         optimizer.step()
     run.finish()
     return first
+
+
+def hashed_training(out: str, steps: int) -> int:
+    """The bytes this rank hashed while ``train`` ran (every digest is counted)."""
+    before = hashed_bytes()
+    train(out, steps)
+    return hashed_bytes() - before
+
+
+def hashed_resuming(out: str, steps: int) -> int:
+    """The bytes this rank hashed while a Run chose and verified the checkpoint it resumes from."""
+    before = hashed_bytes()
+    run = _run(out, steps)
+    hashed = hashed_bytes() - before
+    run.close()
+    return hashed

@@ -15,7 +15,7 @@ from ddpkit.checkpoint import list_checkpoints, save_checkpoint, verify_checkpoi
 from ddpkit.checkpoint.manifest import file_entry, read_manifest, verify_share
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shared_verify_cases import train  # noqa: E402
+from shared_verify_cases import hashed_resuming, hashed_training, train  # noqa: E402
 
 
 def test_the_ranks_shares_cover_every_file_once(tmp_path):
@@ -46,3 +46,26 @@ def test_a_shard_corrupted_on_disk_sends_every_rank_back_to_the_previous_checkpo
     data[len(data) // 2] ^= 0xFF  # one bit flipped, the size the same: only a hash sees it
     shard.write_bytes(bytes(data))
     assert ddpkit.launch(train, 2, (out, 8)) == [5, 5]  # resumed from step 4 on both ranks
+
+
+def _bytes(folder: Path, pattern: str) -> int:
+    return sum(path.stat().st_size for path in folder.glob(pattern))
+
+
+@pytest.mark.slow
+def test_each_rank_hashes_only_what_it_wrote_at_save_and_its_share_at_resume(tmp_path):
+    """The bytes each rank hashes, counted: at save the files it wrote (rank 0 also state.pt and
+    DCP's .metadata), at resume its share of the chosen checkpoint, each file once; choosing it
+    reads manifests and sizes only."""
+    out = str(tmp_path / "run")
+    saved = ddpkit.launch(hashed_training, 2, (out, 6))
+    written = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [path.name for path in written] == ["step-00000002", "step-00000004", "step-00000006"]
+    mine = [["__0_*.distcp", ".metadata", "state.pt"], ["__1_*.distcp"]]
+    expected = [sum(_bytes(path, pattern) for path in written for pattern in mine[rank]) for rank in (0, 1)]
+    assert saved == expected
+    resumed = ddpkit.launch(hashed_resuming, 2, (out, 8))
+    names = sorted(read_manifest(written[-1])["files"])
+    shares = [sum((written[-1] / name).stat().st_size for name in names[rank::2]) for rank in (0, 1)]
+    assert resumed == shares
+    assert sum(shares) == _bytes(written[-1], "*") - (written[-1] / "manifest.json").stat().st_size

@@ -28,6 +28,7 @@ _RENAME_EXCHANGE = 2  # from <linux/fs.h>
 # Manifests written before it hold sha256, which is still verified.
 DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 DIGEST = "xxh3_128"
+_hashed = [0]  # bytes digest_file read in this process, for hashed_bytes()
 
 
 def digest_file(path: Path, kind: str = DIGEST, chunk_bytes: int = 1 << 24) -> str:
@@ -37,7 +38,14 @@ def digest_file(path: Path, kind: str = DIGEST, chunk_bytes: int = 1 << 24) -> s
     with open(path, "rb") as f:
         while block := f.read(chunk_bytes):
             digest.update(block)
+            _hashed[0] += len(block)
     return digest.hexdigest()
+
+
+def hashed_bytes() -> int:
+    """The bytes this process has hashed so far (every checkpoint digest is taken by ``digest_file``):
+    what a rank pays for verification at save and at resume, counted."""
+    return _hashed[0]
 
 
 def fsync_dir(path: Path) -> None:
