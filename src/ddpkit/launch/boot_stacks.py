@@ -3,7 +3,7 @@
 ``faulthandler`` writes every thread's Python stack to ``RUN_DIR/stacks-RANK.txt`` when the
 launcher sends ``DDPKIT_STACK_SIGNAL`` (the hang report, ``workerview.dump_stacks``), and to
 ``RUN_DIR/exit-RANK.txt`` when the agent stops the worker with SIGTERM (where the others were when
-a rank failed, ``workerview.write_exit_stacks``). Its handler runs in C, so it answers while the
+a rank failed, ``failures.write_exit_stacks``). Its handler runs in C, so it answers while the
 main thread waits inside a collective.
 
 Standard library only: ``workerboot/sitecustomize.py`` loads this file by its path in every

@@ -19,14 +19,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
 from ddpkit.errors import ConfigError
-from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error
+from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error, write_exit_stacks
 from ddpkit.launch.hang_monitor import HangMonitor
 from ddpkit.launch.rendezvous import checked_backend
 from ddpkit.launch.restarts import RestartLine
 from ddpkit.launch.stopping import GRACE_S, StopOnSignal, failure_grace, split_signals
+from ddpkit.launch.stores import peer_unreachable
 from ddpkit.launch.torchrun_flags import check_launch_args, nnodes_range
 from ddpkit.launch.workerenv import environment, run_directory, worker_variables
-from ddpkit.launch.workerview import write_exit_stacks
 
 
 def launch_agent(ns: argparse.Namespace, monitor: HangMonitor) -> None:
@@ -98,7 +98,7 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
                         raise _failure(exc, monitor, run_dir) from None
                     except torch.distributed.DistStoreError:
                         # torch's agent timed out waiting for another node's role in the round.
-                        if (why := monitor.peer_unreachable()) is None:
+                        if (why := peer_unreachable(monitor.round_store)) is None:
                             raise
                         raise ConfigError(why) from None
                     finally:

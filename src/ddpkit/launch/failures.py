@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from ddpkit.diagnostics.hang_report import DUMP_STACKS
 from ddpkit.errors import ConfigError
 from ddpkit.launch.boot_errors import CONFIG_ERROR, mentions_peer_gone
 
@@ -113,6 +114,25 @@ def _root_failure(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
     by_time = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
     causes = [item for item in by_time if not mentions_peer_gone(str(item[1].message))]
     return (causes or by_time)[0]
+
+
+def write_exit_stacks(run_dir: Path) -> Path | None:
+    """Write ``RUN_DIR/failure-report.txt``: where this node's other ranks were when the agent
+    stopped them after a failure (each one's SIGTERM dump); None when none left a dump.
+    """
+    dumps = {}
+    for path in sorted(run_dir.glob("exit-*.txt")):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            dumps[int(path.stem.split("-")[1])] = text
+    if not dumps:
+        return None
+    lines = ["ddpkit failure report: the stacks of the ranks the agent stopped after a rank failed", ""]
+    for rank in sorted(dumps):
+        lines += [DUMP_STACKS.format(rank), dumps[rank].rstrip(), ""]
+    report = run_dir / "failure-report.txt"
+    report.write_text("\n".join(lines))
+    return report
 
 
 # A `ddpkit run` worker that raised a ConfigError leaves its message in RUN_DIR/CONFIG_ERROR + RANK

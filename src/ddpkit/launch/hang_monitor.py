@@ -34,13 +34,11 @@ from ddpkit.diagnostics.hang_exchange import (
 from ddpkit.diagnostics.hang_report import format_run_report, write_report
 from ddpkit.diagnostics.hang_state import auto_timeout, find_hang
 from ddpkit.launch.boot_errors import CONFIG_ERROR
-from ddpkit.launch.stores import UNREACHABLE_KEY
 from ddpkit.launch.workerview import WorkerProgress, dump_stacks, is_our_worker
 
 ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
 ACK_S = 10.0  # how long node 0 keeps the store up for the other nodes to read a verdict
 QUIET_S = 10.0  # after a failed store call, how long to wait before the next
-UNREACHABLE_WAIT_S = 10.0  # how long node 0 waits for another node's reason after its own timeout
 AUTO_SOURCE = "90% of the script's process-group timeout; --collective-timeout S sets another"
 
 
@@ -69,7 +67,7 @@ class HangMonitor:
         self.report_path = run_dir / "hang-report.txt"
         self._round: tuple[int, int, Exchange, int] | None = None  # node rank, nodes, exchange, generation
         self._worker_store: dist.Store | None = None
-        self._round_store: dist.Store | None = None
+        self.round_store: dist.Store | None = None  # for stores.peer_unreachable
         self._host_store: dist.Store | None = None
         self._quiet_until = 0.0
         self._seen_generation, self._ended = 0, False
@@ -88,9 +86,9 @@ class HangMonitor:
             store: the round's worker store; kept, so that on node 0 it outlives the agent until
                 the other nodes have read a verdict.
             round_store: the round's rendezvous store, where a node that cannot reach ``store``
-                says so.
+                says so (``stores.peer_unreachable``).
         """
-        self._round_store = round_store
+        self.round_store = round_store
         # The last round's files; a ConfigError's message is no news to a restarted worker.
         for pattern in ("progress-*", "stacks-*", "exit-*", f"{CONFIG_ERROR}*"):
             for path in self.run_dir.glob(pattern):
@@ -101,25 +99,6 @@ class HangMonitor:
         self._worker_store, self._host_store = clone, store
         if self.new_round is not None:
             self.new_round(generation)
-
-    def peer_unreachable(self, wait_s: float = UNREACHABLE_WAIT_S) -> str | None:
-        """Why another node of the round could not reach this node's workers' store, if one said so.
-
-        torch's agent waits for every node's role in the round for the store's timeout; a node
-        that cannot reach the store gives up after the same time, so its reason may come a moment
-        after this node's own timeout: wait ``wait_s`` for it.
-        """
-        deadline = time.monotonic() + wait_s
-        while self._round_store is not None:
-            try:
-                if self._round_store.check([UNREACHABLE_KEY]):
-                    return self._round_store.get(UNREACHABLE_KEY).decode()
-            except RuntimeError:  # the rendezvous store's host is gone
-                return None
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.2)
-        return None
 
     def watchdog_verdict(self) -> str | None:
         """The hang a rank's own HangWatchdog reported in the last round, read from its store keys."""

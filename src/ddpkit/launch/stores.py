@@ -38,6 +38,7 @@ LOOPBACK = "127.0.0.1"
 WORKER_STORE_KEY = "ddpkit/worker-store"  # in the round's rendezvous store: HOST:PORT of the workers' store
 WORKER_STORE_TIMEOUT_S = 60.0
 UNREACHABLE_KEY = "ddpkit/unreachable"  # in the round's rendezvous store: why a node gave up on it
+UNREACHABLE_WAIT_S = 10.0  # how long node 0 waits for another node's reason after its own timeout
 
 
 def ip_of(host: str) -> str:
@@ -188,7 +189,7 @@ class FreshWorkerStore(WrappedHandler):
         """Plain TCP connects first: a TCPStore client would print C++ traces until its timeout.
 
         The reason also goes to the round's store, where node 0's launcher, which waits for this
-        node in torch's agent until the same timeout, reads it (``HangMonitor.peer_unreachable``).
+        node in torch's agent until the same timeout, reads it (``peer_unreachable``).
         """
         deadline = time.monotonic() + self.timeout_s
         while (why := answers(host, port, min(2.0, deadline - time.monotonic()))) is not None:
@@ -205,6 +206,30 @@ class FreshWorkerStore(WrappedHandler):
 
     # shutdown() leaves the worker store open: the launcher reads what the last round left in
     # it (a hang report's reporter) after the agent has given up.
+
+
+def peer_unreachable(round_store: dist.Store | None, wait_s: float = UNREACHABLE_WAIT_S) -> str | None:
+    """Why another node of the round could not reach this node's workers' store, if one said so.
+
+    torch's agent waits for every node's role in the round for the store's timeout; a node
+    that cannot reach the store gives up after the same time (``FreshWorkerStore``), so its reason
+    may come a moment after this node's own timeout: wait ``wait_s`` for it.
+
+    Args:
+        round_store: the round's rendezvous store (None: no round started).
+        wait_s: how long to wait for the reason.
+    """
+    deadline = time.monotonic() + wait_s
+    while round_store is not None:
+        try:
+            if round_store.check([UNREACHABLE_KEY]):
+                return round_store.get(UNREACHABLE_KEY).decode()
+        except RuntimeError:  # the rendezvous store's host is gone
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+    return None
 
 
 def rendezvous_bind(params: RendezvousParameters, host: str) -> str:

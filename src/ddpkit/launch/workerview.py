@@ -167,22 +167,3 @@ def _grown(path: Path, since: int) -> str | None:
     if not added or path.stat().st_size != since + len(added):
         return None
     return added.decode(errors="replace")
-
-
-def write_exit_stacks(run_dir: Path) -> Path | None:
-    """Write ``RUN_DIR/failure-report.txt``: where this node's other ranks were when the agent
-    stopped them after a failure (each one's SIGTERM dump); None when none left a dump.
-    """
-    dumps = {}
-    for path in sorted(run_dir.glob("exit-*.txt")):
-        text = path.read_text(errors="replace")
-        if text.strip():
-            dumps[int(path.stem.split("-")[1])] = text
-    if not dumps:
-        return None
-    lines = ["ddpkit failure report: the stacks of the ranks the agent stopped after a rank failed", ""]
-    for rank in sorted(dumps):
-        lines += [f"stacks of rank {rank} (every thread, most recent call first):", dumps[rank].rstrip(), ""]
-    report = run_dir / "failure-report.txt"
-    report.write_text("\n".join(lines))
-    return report
