@@ -1,10 +1,16 @@
-"""A worker's collective count, written for its launcher: the worker's side of the hang collector
-for scripts that know nothing of ddpkit.
+"""What a worker writes for its launcher: the worker's side of the hang collector for scripts that
+know nothing of ddpkit.
 
-With ``DDPKIT_PROGRESS_S`` set, the boot hook starts a daemon thread that writes the default
-process group's sequence number to ``RUN_DIR/progress-RANK`` when it changes (one read of a
-counter and at most one small write per period); the launcher reads it into a ``RankState``
+Its collective count: with ``DDPKIT_PROGRESS_S`` set, a daemon thread writes the default process
+group's sequence number to ``RUN_DIR/progress-RANK`` when it changes (one read of a counter and at
+most one small write per period); the launcher reads it into a ``RankState``
 (``workerview.WorkerProgress``).
+
+Its stacks: ``faulthandler`` writes every thread's Python stack to ``RUN_DIR/stacks-RANK.txt``
+when the launcher sends ``DDPKIT_STACK_SIGNAL`` (the hang report, ``workerview.dump_stacks``), and
+to ``RUN_DIR/exit-RANK.txt`` when the agent stops the worker with SIGTERM (where the others were
+when a rank failed, ``failures.write_exit_stacks``). Its handler runs in C, so it answers while
+the main thread waits inside a collective.
 
 Standard library only: ``workerboot/sitecustomize.py`` loads this file by its path in every
 worker, before the script, and importing the ddpkit package would import torch.
@@ -12,10 +18,13 @@ worker, before the script, and importing the ddpkit package would import torch.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
+from typing import IO
 
 THREAD_FUNCTION = "_watch_progress"  # workerview leaves this thread out of a rank's stacks
 
@@ -106,3 +115,28 @@ class ProgressWriter:
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=2 * self.period_s)
+
+
+def register_stacks(run_dir: str, rank: str, stack_signal: int) -> list[IO]:
+    """Register the two dumps; returns the files, which the caller must keep open.
+
+    Args:
+        run_dir: the launcher's run directory.
+        rank: this worker's global rank.
+        stack_signal: the signal the launcher sends for a dump (``workerview.STACK_SIGNAL``).
+    """
+    on_request = open(os.path.join(run_dir, f"stacks-{rank}.txt"), "w")  # noqa: SIM115
+    on_exit = open(os.path.join(run_dir, f"exit-{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.register(stack_signal, file=on_request, all_threads=True, chain=False)
+    # chain=True: after the dump, SIGTERM does what it did before (ends the process). A script
+    # that installs its own SIGTERM handler replaces this one, and keeps its behaviour.
+    faulthandler.register(signal.SIGTERM, file=on_exit, all_threads=True, chain=True)
+    # A forked child (a DataLoader worker) inherits the handlers and the files; its stacks are not
+    # the rank's, and an unhandled real-time signal would kill it: give it the defaults back.
+    os.register_at_fork(after_in_child=lambda: _unregister(stack_signal))
+    return [on_request, on_exit]
+
+
+def _unregister(stack_signal: int) -> None:
+    faulthandler.unregister(stack_signal)
+    faulthandler.unregister(signal.SIGTERM)

@@ -1,8 +1,8 @@
 """What a launcher sees of its own workers: progress files, /proc, and faulthandler's stack dumps.
 
 The files live in the run directory the launcher made; the workers' boot hook writes them
-(``ddpkit/launch/workerboot``, with ``boot_progress.py`` and ``boot_stacks.py``). Nothing here
-touches the workers but a signal.
+(``ddpkit/launch/workerboot``, with ``boot_progress.py``). Nothing here touches the workers but a
+signal.
 """
 
 from __future__ import annotations

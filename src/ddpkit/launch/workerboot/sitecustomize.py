@@ -7,8 +7,8 @@ while it starts, before the script. Only the worker process itself (the elastic 
 module of ``ddpkit/launch``:
 
 - it dies with its launcher, also while it is still starting (``orphans.py``);
-- faulthandler dumps its stacks when the launcher asks, and at SIGTERM (``boot_stacks.py``);
-- with ``DDPKIT_PROGRESS_S`` set, a thread writes its collective count (``boot_progress.py``);
+- faulthandler dumps its stacks when the launcher asks, and at SIGTERM, and with
+  ``DDPKIT_PROGRESS_S`` set a thread writes its collective count (``boot_progress.py``);
 - an uncaught exception reaches the launcher (``boot_errors.py``, loaded at the first one).
 
 Then a sitecustomize of the user's own, further along sys.path, is run as Python would have.
@@ -89,7 +89,7 @@ def _main() -> None:
         return  # not a worker the launcher started: a descendant, or a process outside ddpkit run
     _load("orphans").die_with_parent(expected_parent=int(agent))
     run_dir, rank = env["DDPKIT_RUN_DIR"], env["RANK"]
-    _kept.extend(_load("boot_stacks").register_stacks(run_dir, rank, int(env["DDPKIT_STACK_SIGNAL"])))
+    _kept.extend(_load("boot_progress").register_stacks(run_dir, rank, int(env["DDPKIT_STACK_SIGNAL"])))
     sys.excepthook = _excepthook(sys.excepthook, run_dir, rank)
     global WORKER
     WORKER = True  # ddpkit.launch.uncaught leaves this worker's uncaught exceptions to the hook above
