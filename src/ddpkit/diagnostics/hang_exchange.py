@@ -15,11 +15,8 @@ this file alone knows them):
                  report's path, and the reporter.
     ack/NODE     a launcher has read the summary (node 0 keeps its store up until then).
 
-Each party calls its own client of the store (``own_client``), so a call never waits behind the
-main thread's store call, with a short timeout. A watchdog calls through a ``BoundedStore``: a
-store that does not answer makes a call return None (nothing published, nothing found) rather
-than block it. A launcher calls its store directly (``DirectStore``): a failing call raises, and
-its monitor waits before it tries again.
+Each party calls its own client (``own_client``): a watchdog through a ``BoundedStore``, whose
+calls return None rather than block, a launcher through a ``DirectStore``, whose failures raise.
 """
 
 from __future__ import annotations
@@ -227,14 +224,16 @@ class Exchange:
             time.sleep(0.2)
 
 
-def watchdog_verdict(store: dist.Store) -> str | None:
+def watchdog_verdict(store: dist.Store | None) -> str | None:
     """The hang a rank's own HangWatchdog (``ddpkit train``, ``ddpkit.Run``) reported, in one line
     naming the late ranks and the report, from the keys it set in the ranks' store; None if none did.
 
     Args:
         store: the ranks' store as the launcher holds it (the keys sit under the process group's
-            own prefix, which varies by launcher, then ``STORE_PREFIX``).
+            own prefix, which varies by launcher, then ``STORE_PREFIX``); None before a round.
     """
+    if store is None:
+        return None
     try:
         found = {
             name: k

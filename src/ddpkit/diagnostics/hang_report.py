@@ -1,10 +1,8 @@
 """The hang report: which ranks have not reached which collective, and where every rank is.
 
 One report (``Report``) over the one record and the one attribution (``hang_state``), whichever
-collector filled the record: the watchdog thread inside each rank (``hang.py``) or the launcher
-outside it (``launch/hang_monitor.py``). A rank's line shows what its collector could see:
-inside, its phase and whether it answered; outside, the CPU it used and its process state. Pure
-formatting, tested without processes.
+collector filled the record; a rank's line shows what its collector could see (``rank_line``).
+Pure formatting, tested without processes.
 """
 
 from __future__ import annotations
@@ -189,17 +187,8 @@ def format_run_report(
     now_wall: float,
     source: str = "--collective-timeout",
 ) -> str:
-    """The launcher's report, as text: ``find_hang``'s line is its attribution.
-
-    Args:
-        summary: ``find_hang``'s line.
-        timeout_s: ``--collective-timeout``.
-        world: the world size.
-        states: each rank's state.
-        stacks: each rank's faulthandler dump (all threads, most recent call first), or why none.
-        now_wall: ``time.time()`` when the report was made.
-        source: where ``timeout_s`` came from, for the first line.
-    """
+    """The launcher's report, as text: ``format_report``'s arguments, but ``find_hang``'s line
+    (``summary``) is the attribution and ``stacks`` are faulthandler's dumps (or why none)."""
     return Report(
         headline=[f"a collective did not complete within {timeout_s:g} s ({source})"],
         attribution=[summary],

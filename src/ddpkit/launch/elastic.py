@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
+from ddpkit.diagnostics.hang_exchange import watchdog_verdict
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error, write_exit_stacks
 from ddpkit.launch.hang_monitor import HangMonitor
@@ -110,5 +111,6 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
 
 def _failure(exc: ChildFailedError, monitor: HangMonitor, run_dir: Path) -> WorkerFailure:
     """The failure to report: a hang if the launcher saw one, else the first rank that failed."""
-    hang = monitor.verdict or monitor.watchdog_verdict()
+    # The monitor's own verdict, else the hang a rank's HangWatchdog reported (``ddpkit train``).
+    hang = monitor.verdict or watchdog_verdict(monitor.worker_store)
     return WorkerFailure.from_child_failed(exc, hang=hang, others=write_exit_stacks(run_dir))

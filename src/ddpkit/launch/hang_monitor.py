@@ -1,15 +1,12 @@
 """The launcher's hang monitor: ``ddpkit run --collective-timeout S`` for scripts that know nothing of it.
 
 A daemon thread beside torch's elastic agent, in the launcher process, which user code cannot
-block. Every ``poll_s`` it reads its node's workers (``workerview.WorkerProgress``) and publishes
-them in the round's worker store (``stores.FreshWorkerStore``), in the watchdogs' conversation
-(``diagnostics/hang_exchange.py``) with a node as the party: its answer is faulthandler's dump of
-every thread of each of its ranks, and it kills its workers once it reads the summary.
-
-Node 0 hosts the store, so it decides (``diagnostics.hang_state.find_hang``), writes the report to
-``RUN_DIR/hang-report.txt`` and ends the round; the agent then restarts the workers
-(``--max-restarts``) or fails, and the launcher names the hang from the summary, never from an
-exit code a script could also use.
+block. Every ``poll_s`` it reads its node's workers (``workerview.WorkerProgress``) and speaks for
+them in the round's worker store (``diagnostics/hang_exchange.py``, a node as the party): its
+answer is faulthandler's dump of each rank's threads, and it kills its workers once it reads the
+summary. Node 0 hosts the store, so it decides (``hang_state.find_hang``), writes
+``RUN_DIR/hang-report.txt`` and ends the round; the agent then restarts the workers or fails, and
+the launcher names the hang from the summary, never from an exit code a script could also use.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from ddpkit.diagnostics.hang_exchange import (
     DirectStore,
     Exchange,
     own_client,
-    watchdog_verdict,
 )
 from ddpkit.diagnostics.hang_report import format_run_report, write_report
 from ddpkit.diagnostics.hang_state import auto_timeout, find_hang
@@ -66,7 +62,7 @@ class HangMonitor:
         self.verdict: str | None = None
         self.report_path = run_dir / "hang-report.txt"
         self._round: tuple[int, int, Exchange, int] | None = None  # node rank, nodes, exchange, generation
-        self._worker_store: dist.Store | None = None
+        self.worker_store: dist.Store | None = None  # where a watchdog's verdict is read
         self.round_store: dist.Store | None = None  # for stores.peer_unreachable
         self._host_store: dist.Store | None = None
         self._quiet_until = 0.0
@@ -96,13 +92,9 @@ class HangMonitor:
         clone = own_client(store)
         generation = self._round[3] + 1 if self._round else 1
         self._round = (node_rank, nnodes, Exchange(DirectStore(clone), node_rank), generation)
-        self._worker_store, self._host_store = clone, store
+        self.worker_store, self._host_store = clone, store
         if self.new_round is not None:
             self.new_round(generation)
-
-    def watchdog_verdict(self) -> str | None:
-        """The hang a rank's own HangWatchdog reported in the last round, read from its store keys."""
-        return watchdog_verdict(self._worker_store) if self._worker_store is not None else None
 
     def start(self) -> HangMonitor:
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-monitor", daemon=True)
