@@ -19,8 +19,9 @@ GPT of about 30M parameters with AdamW through ``ddpkit.Run`` and times, in alte
   floor of saving in the background on this machine.
 
 Then the start-up, from ``ddpkit.Run(...)`` to the end of the first step, resuming from the last
-checkpoint (``resumed``) and from a fresh folder (``fresh``), and ``dcp.load``: what a plain
-script resuming through DCP does (a new optimizer, its state dicts, ``dcp.load``, set back).
+checkpoint (``resumed``) and from a fresh folder (``fresh``), and the plain load of the same form:
+what a plain script resuming does with a new optimizer (``dcp.load`` of the state dicts, set
+back; or ``torch.load`` and ``load_state_dict``).
 Goals (issue 35): a synchronous save at most 1.2x the plain save of the same bytes in the same
 form (``dcp.save`` when the run's checkpoint goes through DCP, else ``torch.save`` into a new
 file), a step with an async save at most 1.2x a step, a resumed start at most the fresh one
@@ -42,9 +43,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 import ddpkit
-from ddpkit.checkpoint.background import host_copy
 from ddpkit.errors import OneLineParser
 from ddpkit.launch import launch
 from ddpkit.models import GPT, GPTConfig
@@ -96,6 +97,8 @@ def _dcp_load(model, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     module = unwrap(model)
+    for param in module.parameters():
+        param.grad = None  # as in a new process: DCP makes the new optimizer's state by a step at lr 0
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     model_state, optim_state = get_state_dict(module, optimizer)
     state = {"model": model_state, "optim": optim_state}
@@ -103,10 +106,19 @@ def _dcp_load(model, folder: Path) -> None:
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _torch_load(model, path: Path) -> None:
+    """What a plain script resuming from ``torch.save``'s file does: ``torch.load`` on every rank,
+    the model's and a new optimizer's ``load_state_dict``."""
+    module = unwrap(model)
+    state = torch.load(path, weights_only=True, map_location=next(module.parameters()).device)
+    module.load_state_dict(state["model"])
+    torch.optim.AdamW(module.parameters(), lr=1e-4).load_state_dict(state["optim"])
+
+
 def _plain_async(model, optimizer, path: Path, engine: str, group) -> Callable[[], object]:
     """The plain background save, started; returns the wait for it. Rank 0 copies the state dicts
-    and a thread writes them with ``torch.save`` (torch engine), or every rank's ``dcp.async_save`` (fsdp),
-    over ``group``, a gloo group of its own (as ddpkit's: never the training's)."""
+    to the CPU and a thread writes them with ``torch.save`` (torch engine), or every rank's
+    ``dcp.async_save`` (fsdp), over ``group``, a gloo group of its own (as ddpkit's: never the training's)."""
     if engine == "fsdp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -117,7 +129,8 @@ def _plain_async(model, optimizer, path: Path, engine: str, group) -> Callable[[
     if dist.get_rank() != 0:
         return lambda: None
     state = {"model": unwrap(model).state_dict(), "optim": optimizer.state_dict()}
-    thread = threading.Thread(target=torch.save, args=(host_copy(state), path))
+    copied = tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, state)
+    thread = threading.Thread(target=torch.save, args=(copied, path))
     thread.start()
     return thread.join
 
@@ -145,7 +158,17 @@ def _session(out: str, engine: str, async_save: bool) -> tuple:
 
 def _rank(engine: str, rounds: int, folder: str) -> dict:
     os.environ["DDPKIT_LOG_LEVEL"] = "error"  # the resumed session's early exit is not news here
-    names = ("step", "save", "torch.save", "overwrite", "dcp.save", "dcp.load", "async", "plain async")
+    names = (
+        "step",
+        "save",
+        "torch.save",
+        "overwrite",
+        "dcp.save",
+        "torch.load",
+        "dcp.load",
+        "async",
+        "plain async",
+    )
     times: dict[str, list[float]] = {name: [] for name in names}
     out = Path(folder) / engine
     run, model, optimizer, step = _session(str(out / "sync"), engine, False)
@@ -156,6 +179,7 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
         if engine != "fsdp":  # a full state dict on rank 0 is not what a sharded run saves
             times["torch.save"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", True))
             times["overwrite"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", False))
+            times["torch.load"].append(_timed(_torch_load, model, out / "plain.pt"))
         last = out / f"dcp-{i - 1}" if i else None
         times["dcp.save"].append(_timed(_dcp_save, model, optimizer, out / f"dcp-{i}", last))
         times["dcp.load"].append(_timed(_dcp_load, model, out / f"dcp-{i}"))
@@ -211,7 +235,7 @@ def main(argv: list[str]) -> int:
         "/step",
     )
     print(f"{'nproc':>5} {'engine':>6} " + " ".join(f"{h:>10}" for h in head), end="")
-    print(" " + " ".join(f"{h:>8}" for h in ("fresh", "resumed", "dcp.load", "extra/load")))
+    print(" " + " ".join(f"{h:>8}" for h in ("fresh", "resumed", "load", "extra/load")))
     for nproc in (int(n) for n in ns.nproc.split(",")):
         for engine in ns.engines.split(","):
             with tempfile.TemporaryDirectory(prefix="ddpkit-bench-ckpt-") as folder:
@@ -223,24 +247,26 @@ def main(argv: list[str]) -> int:
                 for k in ranks[0]["starts"]
             }
             # The plain save of the same bytes in the same form: DCP's, or a new file on rank 0.
-            same = med["dcp.save"] if ranks[0]["through_dcp"] else med["torch.save"]
+            dcp_form = ranks[0]["through_dcp"]
+            same = med["dcp.save"] if dcp_form else med["torch.save"]
+            load = med["dcp.load"] if dcp_form else med["torch.load"]
             ratios = {
                 "save/same": med["save"] / same,
                 "async/step": med["async"] / med["step"],
-                "extra/load": (start["resume"] - start["fresh"]) / med["dcp.load"],
+                "extra/load": (start["resume"] - start["fresh"]) / load,
             }
             rows.append({"nproc": nproc, "engine": engine, "median_s": med, "start_s": start, **ratios})
             cells = [med[k] for k in head[:5]] + [ratios["save/same"], med["async"], med["plain async"]]
             cells.append(ratios["async/step"])
             print(f"{nproc:>5} {engine:>6} " + " ".join(f"{c:10.3f}" for c in cells), end="")
-            ends = (start["fresh"], start["resume"], med["dcp.load"], ratios["extra/load"])
+            ends = (start["fresh"], start["resume"], load, ratios["extra/load"])
             print(" " + " ".join(f"{c:8.2f}" for c in ends), flush=True)
     print(
-        "save/same: the save over the plain save of the same bytes in the same form (dcp.save when the "
-        "run's checkpoint goes through DCP, else torch.save into a new file, renamed); extra/load: "
-        "(resumed - fresh start) / dcp.load; plain async: a thread torch.save-ing a host copy on rank 0 "
-        "(dcp.async_save on fsdp), and the step.\ngoals: save/same <= 1.2; async+step <= 1.2 x step; "
-        "extra/load <= 1.1"
+        "save/same: the save over the plain save of the same bytes in the same form (dcp.save when the\n"
+        "  run's checkpoint goes through DCP, else torch.save into a new file, renamed)\n"
+        "plain async: a thread torch.save-ing a host copy on rank 0 (dcp.async_save on fsdp), and the step\n"
+        "extra/load: (resumed - fresh start) / load, the plain load in the same form (dcp or torch.load)\n"
+        "goals: save/same <= 1.2; async+step <= 1.2 x step; extra/load <= 1.1"
     )
     if ns.json:
         Path(ns.json).write_text(json.dumps(rows, indent=2), encoding="utf-8")

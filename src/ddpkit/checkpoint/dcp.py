@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.checkpoint.background import BackgroundWriter, host_copy
+from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.checkpoint.manifest import STATE, file_entry
 from ddpkit.checkpoint.store import CheckpointError, begin_save, commit_save
 
@@ -86,9 +86,12 @@ def save_sharded_async(
         writer.group = dist.new_group(backend="gloo")
     final, tmp = _begin(directory, step, state, rank0, keep_last)
     shards_written = dcp.async_save(
-        shards, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=writer.group
+        shards,
+        storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+        process_group=writer.group,
+        async_stager=writer.stager,  # its host buffers serve every save of the run
     )
-    copied = host_copy(state) if rank0 else None
+    copied = writer.copy(state) if rank0 else None
     group = writer.group
 
     def land() -> None:

@@ -26,7 +26,7 @@ from ddpkit.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from ddpkit.checkpoint.background import BackgroundWriter, host_copy
+from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.checkpoint.dcp import SHARDED, save_sharded, save_sharded_async
 from ddpkit.checkpoint.store import begin_save, commit_save
 from ddpkit.diagnostics import check_replicas_agree
@@ -150,7 +150,7 @@ def save(
         return save_checkpoint(directory, step, state, keep_last=cfg.keep_last)
     writer.wait()  # one write at a time: begin_save clears what an unfinished one left
     final, tmp = begin_save(directory, step, state, cfg.keep_last)
-    copied = host_copy(state)
+    copied = writer.copy(state)
     writer.submit(lambda: commit_save(final, tmp, step, copied, cfg.keep_last))
     return final
 
