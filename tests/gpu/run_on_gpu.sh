@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one session, as one script for a lent GPU machine (about 9 minutes): the
+# The GPU checks of one session, as one script for a lent GPU machine (about 10 minutes): the
 # tests in tests/gpu, then the GPU benchmarks whose tables the docs leave open. Each step has its
 # own time limit, so a slow one does not take the rest with it; logs and JSON go to $OUT (or
 # ./gpu-out). The machine's own python3 holds torch; ddpkit runs from src/ without installing.
@@ -19,7 +19,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a limit, its output 
 }
 nvidia-smi -L
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
-step tests 250 python3 -m pytest tests/gpu -n 0 -q -p no:cacheprovider --timeout 150 -rs
+step tests 400 python3 -m pytest tests/gpu -n 0 -q -p no:cacheprovider --timeout 150 -rs
 step trainer-gpt-small 100 python3 -m ddpkit bench trainer gpt --nproc 1 --precision bf16 --gpt small \
     --json "$OUT/trainer-gpt-small.json"
 step trainer-toy 50 python3 -m ddpkit bench trainer toy --nproc 1 --json "$OUT/trainer-toy.json"
