@@ -21,6 +21,11 @@ import traceback
 # before a restart (hang_monitor.py).
 CONFIG_ERROR = "config-error-"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+# How long a rank whose collective failed because a peer died waits before it records its own
+# failure: torch's agent polls its workers every 0.1 s and names the failure with the earliest
+# timestamp, in whole seconds, so an error file written at once can claim the same second as the
+# peer's death, or an earlier one, and the restart line then names this rank instead of the cause.
+PEER_WAIT_S = 1.0
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -46,6 +51,8 @@ def on_uncaught(previous, run_dir: str, rank: str, exc_type, exc, tb) -> None:
         exc: as ``sys.excepthook`` gets them.
         tb: as ``sys.excepthook`` gets them.
     """
+    if is_peer_failure(exc):
+        time.sleep(PEER_WAIT_S)  # the agent sees the peer's death first, and stops this rank
     _write_error_file(exc_type, exc, tb)
     marker = os.path.join(run_dir, f"{CONFIG_ERROR}{rank}")
     if _is_config_error(exc_type) and _write_whole(marker, str(exc)):
