@@ -1,6 +1,8 @@
 """A user's HuggingFace training script: a tiny GPT-2 from transformers, trained on ddpkit.Run.
 
     ddpkit run --nproc 2 tests/outside/hf_client_script.py --out runs/hf --steps 12 --precision bf16
+    ddpkit run --nproc 3 tests/outside/hf_client_script.py --out runs/hf --global-batch 12 \
+        --dropout 0.1 --invariant-dropout
 
 Written as a single-device transformers loop would be (dict batches, ``model(**batch).loss``,
 AdamW, ``get_linear_schedule_with_warmup``); only the ``run.`` lines are ddpkit's. The model is
@@ -44,16 +46,17 @@ class CountingSequences(Dataset):
 
 def main(args) -> None:
     run = ddpkit.Run(
-        out=args.out, global_batch=8, micro_batch=2, log_every=1, progress=False,
-        steps=args.steps, precision=args.precision,
+        out=args.out, global_batch=args.global_batch, micro_batch=args.micro_batch or None, log_every=1,
+        progress=False, steps=args.steps, precision=args.precision, invariant_dropout=args.invariant_dropout,
     )  # fmt: skip
     # Built after Run(...), which seeds torch on every rank: every rank builds the same weights.
     config = transformers.GPT2Config(
         n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=SEQ,
-        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+        resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
+        attn_implementation=args.attention,
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
-    dataset = CountingSequences(size=8 * args.steps)  # one epoch is the whole run
+    dataset = CountingSequences(size=args.global_batch * args.steps)  # one epoch is the whole run
 
     model = run.setup(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -78,10 +81,15 @@ def main(args) -> None:
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="run folder: metrics.jsonl, model.pt")
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps of 8 sequences")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate, after warmup")
     parser.add_argument("--warmup", type=int, default=3, help="steps of linear warmup from 0")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per forward (0: a share)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="GPT-2's three dropouts (default 0.1)")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="attn_implementation")
+    parser.add_argument("--invariant-dropout", action="store_true", help="ddpkit.Run(invariant_dropout=True)")
     return parser.parse_args(argv)
 
 

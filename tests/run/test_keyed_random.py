@@ -163,14 +163,3 @@ def test_keyed_dropout_compiled_by_inductor_gives_eager_losses():
     assert len(eager) == 6
     for a, b in zip(eager, compiled, strict=True):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (eager, compiled)
-
-
-def test_a_model_with_dropout_is_named_in_one_line_at_setup(capfd):
-    run = ddpkit.Run(progress=False)
-    try:
-        run.setup(nn.Sequential(nn.Linear(2, 4), nn.Dropout(0.1), nn.Dropout(0.0), nn.Linear(4, 1)))
-    finally:
-        run.close()
-    told = [line for line in capfd.readouterr().err.splitlines() if "drops out" in line]
-    assert len(told) == 1 and "1 (p=0.1)" in told[0] and "invariant_dropout=True" in told[0]
-    assert "(p=0)" not in told[0]  # a dropout of 0 draws nothing

@@ -37,6 +37,7 @@ from ddpkit.run.boundary import StepBoundaries
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.draws import SampleDraws
 from ddpkit.run.engine import set_grad_sync
+from ddpkit.run.first_step import FirstStep
 from ddpkit.run.forward_order import agree_before_backward
 from ddpkit.run.losses import StepLosses, check_differentiable
 from ddpkit.run.micro import Micro, to_device, tokens_in
@@ -96,6 +97,7 @@ class StepCycle(StepBoundaries):
         self.indices: list[int] = []
         self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
         self.replicas = ReplicaCheck(self.env, monitor.phase, models)
+        self.first_step = FirstStep(self.env, models, draws)  # what the first micro-batch did
 
     @property
     def step(self) -> int:
@@ -144,11 +146,13 @@ class StepCycle(StepBoundaries):
             batch = fetch()
             self.monitor.data(waited + time.perf_counter() - began)
             self.enter(micro, tokens_in(batch, micro.samples))
+            self.first_step.before()
             try:
                 yield to_device(batch, self.env.device) if move else batch
             except GeneratorExit:  # the loop left (a break): say so if it cut a step or an epoch
                 self.left(micro, source)
                 raise
+            self.first_step.after(micro, source.global_batch)
         if self.open:  # its boundary (log, check, checkpoint) waits for the epoch-end code
             self.end_step()
         self.outside = True

@@ -34,6 +34,8 @@ class SampleDraws:
         self.calls: dict[object, int] = {}  # stream -> draws made from it in this micro-batch
         self.active = False
         self.positions = keyed.Positions()
+        # Each set-up model's functional_dropout.ForwardDraws: the draws its forward makes by call.
+        self.forwards: list = []
 
     def __deepcopy__(self, memo: dict) -> SampleDraws:
         return self  # an EMA's deepcopy of the model keeps drawing from the run's keys

@@ -1,23 +1,21 @@
-"""Dropout in the user's model: named at ``run.setup``, and drawn per sample when asked.
+"""Dropout modules in the user's model, drawn per sample when asked.
 
 ``nn.Dropout`` draws its mask from the generator of the process that runs it, in the order its
 micro-batches come, so the same sample gets another mask on another world size or micro_batch
-(1 and 2 processes 4.6e-2 apart with p=0.2). Without ``invariant_dropout`` rank 0 says so in one
-line at ``run.setup``. With it, each dropout-like module's class is swapped for a subclass (as
-``run.track`` swaps an optimizer's) whose training forward inside a step multiplies by a mask
-keyed by the sample (``draws.SampleDraws.mask``); in eval mode, or outside a step, it is the
-module's own forward.
+(1 and 2 processes 4.6e-2 apart with p=0.2). Without ``invariant_dropout`` rank 0 says so in
+one line after the first micro-batch (first_step.py). With it, each dropout-like module's class
+is swapped for a subclass (as ``run.track`` swaps an optimizer's) whose training forward inside
+a step multiplies by a mask keyed by the sample (``draws.SampleDraws.mask``); in eval mode, or
+outside a step, it is the module's own forward.
 
 What is recognised: ``nn.Dropout`` (per element), ``nn.Dropout1d/2d/3d`` (per channel), and
 stochastic depth, timm's ``DropPath`` or any module with ``drop_prob`` (per sample). Alpha
 dropout is refused in one line. A functional ``F.dropout`` in a forward, or
-``scaled_dot_product_attention(dropout_p=...)``, cannot be seen from outside: its draws stay
-the process's own (docs/guarantees.md).
+``scaled_dot_product_attention(dropout_p=...)`` (transformers' attention), is keyed by
+functional_dropout.py.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
@@ -25,8 +23,6 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.run import keyed
 from ddpkit.run.draws import SampleDraws
-
-log = logging.getLogger(__name__)
 
 CHANNELS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 ALPHA = (nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -43,23 +39,6 @@ def rate(module: nn.Module) -> float:
 def dropout_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The dropout-like modules of ``model`` with a probability above 0, by qualified name."""
     return [(name, m) for name, m in model.named_modules() if rate(m) > 0]
-
-
-def note_dropout(model: nn.Module, is_rank0: bool) -> None:
-    """Rank 0's one line at ``run.setup`` when the model drops out and the draws are the ranks' own."""
-    found = dropout_modules(model)
-    if not found or not is_rank0:
-        return
-    named = ", ".join(f"{name} (p={rate(m):g})" for name, m in found[:3])
-    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-    log.warning(
-        "%s drops out in %s%s: each rank draws its masks from its own generator, so losses change "
-        "with the number of processes and micro_batch; ddpkit.Run(invariant_dropout=True) draws "
-        "them per sample instead (docs/guarantees.md)",
-        type(model).__name__,
-        named,
-        more,
-    )
 
 
 def key_dropout(model: nn.Module, draws: SampleDraws, batch_dim: int) -> int:

@@ -30,4 +30,5 @@ class PerSample:
         """Every rank's ``x`` (dim 0: its samples) in global-batch order, differentiable: an
         in-batch-negatives loss (InfoNCE, CLIP) over the gathered batch is one process's. Exact
         when each rank's share is one micro-batch; refused in one line under a smaller micro_batch."""
+        self._cycle.first_step.note_gather()
         return all_gather(x, self._cycle.micro, self.env)

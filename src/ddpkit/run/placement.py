@@ -1,8 +1,9 @@
 """``run.setup``'s work on a model: checked, given its values, wrapped in the engine, resumed.
 
-In order: every rank's build is the same (shapes and values); dropout is keyed per sample or
-noted; a model built on meta gets its values (materialize.py), an eager one the checkpoint's
-weights when the run resumes; the comm-wait clock watches it (2+ ranks), the engine wraps it,
+In order: every rank's build is the same (shapes and values); dropout modules are keyed per
+sample when asked, and the forward's functional draws keyed or watched (functional_dropout.py);
+a model built on meta gets its values (materialize.py), an eager one the checkpoint's weights
+when the run resumes; the comm-wait clock watches it (2+ ranks), the engine wraps it,
 and a sharded checkpoint's weights load into the shards.
 """
 
@@ -15,9 +16,10 @@ from torch import nn
 
 from ddpkit.dist import DistEnv
 from ddpkit.run.draws import SampleDraws
-from ddpkit.run.dropout import key_dropout, note_dropout
+from ddpkit.run.dropout import key_dropout
 from ddpkit.run.engine import unwrap, wrap
 from ddpkit.run.engine_config import EngineConfig
+from ddpkit.run.functional_dropout import ForwardDraws
 from ddpkit.run.materialize import WeightsPlan
 from ddpkit.run.models import check_same_model, load_weights
 from ddpkit.run.monitor import Monitor
@@ -45,8 +47,8 @@ def place_model(
     check_same_model(model, env)
     if cfg.invariant_dropout:
         key_dropout(model, draws, cfg.dropout_batch_dim)
-    else:
-        note_dropout(model, env.is_rank0)
+    # Functional dropout keyed, and the first step's draws seen (first_step.py says which break it).
+    draws.forwards.append(ForwardDraws(model, draws, cfg.dropout_batch_dim, cfg.invariant_dropout))
     plan.before_wrap(unwrap(model), lambda m: load_weights(m, saved, name, resume_path))
     if env.world_size > 1:  # before the engine's hooks, which wait for the all-reduce
         monitor.watch(model)

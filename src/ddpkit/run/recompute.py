@@ -77,7 +77,10 @@ def _remember(draws: SampleDraws, began: dict) -> Iterator[None]:
 def _replay(draws: SampleDraws, began: dict) -> Iterator[None]:
     now = _state(draws)
     _set(draws, began["state"])
+    # The forward's functional dropout was keyed in its model's mode; the backward is outside it.
+    mode = next((forward for forward in draws.forwards if forward.keyed), contextlib.nullcontext())
     try:
-        yield
+        with mode:
+            yield
     finally:
         _set(draws, now)
