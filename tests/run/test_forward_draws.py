@@ -168,6 +168,22 @@ def test_batchnorm_in_training_mode_is_said_with_the_forwards_samples(capfd):
     assert not _said(capfd, "BatchNorm in training mode")
 
 
+def test_a_summed_loss_weighed_as_a_mean_is_said_once(capfd):
+    run = ddpkit.Run(global_batch=8, micro_batch=4, progress=False)
+    try:
+        model = run.setup(nn.Linear(6, 2))
+        data = torch.utils.data.TensorDataset(torch.randn(16, 6), torch.randn(16, 2))
+        loader = run.loader(data)
+        for x, y in loader:
+            run.backward(F.mse_loss(model(x), y, reduction="sum"))
+        for x, y in loader:  # said once a run
+            run.backward(F.mse_loss(model(x), y, reduction="sum"))
+    finally:
+        run.close()
+    said = _said(capfd, "run.backward got a loss summed over the batch")
+    assert len(said) == 1 and "MseLossBackward0" in said[0] and 'reduction="sum"' in said[0], said
+
+
 def test_a_plain_loop_hears_nothing(capfd):
     _one_epoch(
         nn.Sequential(nn.Linear(6, 4), nn.GELU(), nn.Dropout(0.2), nn.Linear(4, 2)), invariant_dropout=True

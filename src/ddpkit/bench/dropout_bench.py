@@ -6,8 +6,10 @@ Two measurements in one process, each with the plain and the keyed variant side 
   against the same module swapped by ``run.dropout.key_dropout`` (whose training forward
   multiplies by ``SampleDraws.mask``), eager, and both under ``torch.compile`` (inductor; the
   compiled keyed layer is held to the compiled nn.Dropout);
-- a training step (forward, backward, AdamW) of ddpkit's GPT with dropout, its nn.Dropout
-  modules plain against keyed, eager and compiled.
+- a training step (forward, backward, AdamW) of ddpkit's GPT with dropout, plain against keyed
+  (its nn.Dropout modules swapped, and its attention's ``dropout_p`` keyed by
+  ``run.functional_dropout.ForwardDraws``, which runs attention in torch's math form), eager and
+  compiled (where the functional calls are not keyed).
 
 The keyed variants enter the micro-batch (``SampleDraws.enter``, which builds the row keys) in
 every timed call, as the step cycle does once per micro-batch. The variants take turns in
@@ -35,6 +37,7 @@ from ddpkit.errors import OneLineParser
 from ddpkit.models import GPT, GPTConfig
 from ddpkit.run.draws import SampleDraws
 from ddpkit.run.dropout import key_dropout
+from ddpkit.run.functional_dropout import ForwardDraws
 from ddpkit.run.micro import Micro
 
 LAYER_TARGET = 1.2  # the issue: a keyed layer at most 1.2x a dropout layer
@@ -99,6 +102,7 @@ class GPTCase:
         keyed = copy.deepcopy(plain)
         self.draws, self.micro, self.step = SampleDraws(0, device, eager=True), whole_batch(batch), 0
         self.keyed_modules = key_dropout(keyed, self.draws, 0)
+        ForwardDraws(keyed, self.draws, 0, keyed=True)  # the attention's dropout_p, as run.setup keys it
         self.optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, keyed)}
         self.modules = _variants(plain, keyed, compiled)
         self.owner = {"plain": plain, "keyed": keyed, "plain compiled": plain, "keyed compiled": keyed}
@@ -241,9 +245,8 @@ def report(ns: argparse.Namespace, result: dict) -> str:
         )
         lines += [_line(m, row, "plain", STEP_TARGET, True) for m, row in result["gpt"].items()]
         lines.append(
-            f"note: the GPT's attention dropout is scaled_dot_product_attention(dropout_p={ns.p:g}), "
-            "which invariant_dropout cannot see: in both variants it draws from the process's own "
-            "generator (a known limitation, docs/guarantees.md)"
+            f"note: keyed, the GPT's scaled_dot_product_attention(dropout_p={ns.p:g}) runs in torch's "
+            "math form with a keyed mask (eager); compiled, it keeps the process's own draws"
         )
     return "\n".join(lines)
 

@@ -208,6 +208,7 @@ class StepCycle(StepBoundaries):
             self.state.has_backward = True
             self._backward(loss / count if count is not None else loss)
             return
+        self.first_step.check_loss(loss, reduction, count)
         scale = self.losses.add(loss, reduction, count, micro, self.monitor)
         if self.gate.waited and not micro.last:
             self._warn_stale()

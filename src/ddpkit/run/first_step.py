@@ -14,7 +14,9 @@ step, and are cheap to see while one micro-batch goes through the loop:
 - draws from the global generators in the loop body, outside the model (numpy's or python's
   ``random``, or torch's: in-loop Mixup or noise), seen as a change of their state; not said
   when the body gathered the batch with ``run.all_gather`` (a Mixup over the whole global batch);
-- BatchNorm in training mode, which normalises over each forward's samples.
+- BatchNorm in training mode, which normalises over each forward's samples;
+- a loss that is plainly a sum over the batch (``reduction="sum"``, ``.sum()``) handed to
+  ``run.backward`` as a mean (seen at the first backward from the loss's ``grad_fn``).
 
 Under ``torch.compile`` the forward's calls are not seen (the loop body's draws still are).
 """
@@ -54,12 +56,20 @@ class FirstStep:
 
     def __init__(self, env: DistEnv, models: dict[str, nn.Module], draws: SampleDraws) -> None:
         self.env, self.models, self.draws = env, models, draws
-        self.done, self.gathered = False, False
+        self.done, self.gathered, self.loss_seen = False, False, False
         self._states: dict[str, Any] = {}
 
     def note_gather(self) -> None:
         """``run.all_gather`` was called: the loop's draws may be the whole global batch's."""
         self.gathered = True
+
+    def check_loss(self, loss: torch.Tensor, reduction: str, count: object) -> None:
+        """The first ``run.backward``: one line when the loss is plainly summed but weighed as a mean."""
+        if self.loss_seen:
+            return
+        self.loss_seen = True
+        if self.env.is_rank0 and reduction == "mean" and count is None and looks_summed(loss):
+            say_summed_loss(type(loss.grad_fn).__name__)
 
     def before(self) -> None:
         """The first micro-batch is about to go to the loop: watch its forwards and generators."""
@@ -136,6 +146,15 @@ def batch_norms(models: dict[str, nn.Module]) -> list[str]:
     return found
 
 
+def looks_summed(loss: torch.Tensor) -> bool:
+    """The loss's last op sums over everything: ``.sum()``, or a torch loss with ``reduction="sum"``
+    (its backward node keeps the reduction: 2 is sum)."""
+    node = loss.grad_fn
+    return node is not None and (
+        type(node).__name__ == "SumBackward0" or getattr(node, "_saved_reduction", None) == 2
+    )
+
+
 def _some(names: list[str], n: int = 3) -> str:
     names = list(dict.fromkeys(names))
     more = f" and {len(names) - n} more" if len(names) > n else ""
@@ -188,4 +207,14 @@ def say_batch_norm(names: list[str], samples: int, global_batch: int) -> None:
         _some(names),
         samples,
         global_batch,
+    )
+
+
+def say_summed_loss(node: str) -> None:
+    """``run.backward`` weighs its loss as a mean over samples; this one is a sum."""
+    log.warning(
+        "run.backward got a loss summed over the batch (its last op is %s): it is weighed as a mean "
+        "over samples, so the update changes with the number of processes and micro_batch; pass "
+        'run.backward(loss, reduction="sum"), or for a sum over tokens run.backward(loss, count=n)',
+        node,
     )
