@@ -89,8 +89,6 @@ class FirstStep:
         for forward in self.draws.forwards:
             forward.observing = False
             seen += [(forward.model_name, *s) for s in forward.seen]
-            if not forward.keyed:
-                forward.remove()  # nothing more to see or key: the forward runs without a mode
         if self.env.is_rank0:
             self._report(seen, drawn, micro, global_batch)
 

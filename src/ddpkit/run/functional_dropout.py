@@ -5,7 +5,8 @@ without a module of its own: transformers' attention passes ``self.attn_dropout.
 ``F.dropout`` (eager) or to ``scaled_dot_product_attention(dropout_p=...)`` (sdpa), so the
 module it names is never called. ``ForwardDraws`` is a ``TorchFunctionMode`` that a forward
 pre-hook enters around the model's forward (a forward hook with ``always_call`` leaves it, also
-on an exception). Under ``invariant_dropout`` it routes those two calls to a mask keyed by the
+on an exception); unkeyed, only while the first micro-batch is observed. Under
+``invariant_dropout`` it routes those two calls to a mask keyed by the
 sample (``draws.SampleDraws.mask``): ``F.dropout`` multiplies by it; attention then runs torch's
 math form (scores, softmax, the keyed mask, times V), which holds the (B, heads, L, S) weights in
 memory where the fused kernels do not. The n-th such call of a micro-batch draws the n-th
@@ -35,14 +36,16 @@ from ddpkit.run.draws import SampleDraws
 _DROPOUT, _ATTENTION = keyed.salt("functional", "dropout"), keyed.salt("functional", "attention")
 
 # Calls that draw from torch's global generator unless handed a generator of their own.
-GLOBAL_DRAWS = {
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
-    torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.poisson,
-    torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.Tensor.normal_, torch.Tensor.uniform_,
-    torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_,
-    torch.Tensor.log_normal_, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-    F.feature_alpha_dropout, F.rrelu,
-}  # fmt: skip
+_TORCH = ("rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like")
+_TORCH += ("bernoulli", "normal", "multinomial", "poisson")
+_TENSOR = ("bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_", "geometric_")
+_TENSOR += ("cauchy_", "log_normal_")
+_FUNCTIONAL = ("dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "rrelu")
+GLOBAL_DRAWS = (
+    {getattr(torch, name) for name in _TORCH}
+    | {getattr(torch.Tensor, name) for name in _TENSOR}
+    | {getattr(F, name) for name in _FUNCTIONAL}
+)
 
 
 class ForwardDraws(TorchFunctionMode):
@@ -57,6 +60,9 @@ class ForwardDraws(TorchFunctionMode):
 
     def __init__(self, model: nn.Module, draws: SampleDraws, batch_dim: int, keyed: bool) -> None:
         super().__init__()
+        # Inside a model compiled before run.setup, where the hooks are traced and do nothing: a
+        # mode around a compiled call, or hooks that come and go, would make it compile again.
+        model = getattr(model, "_orig_mod", model)
         self.draws, self.batch_dim, self.keyed = draws, batch_dim, keyed
         self.model_name = type(model).__name__
         self.observing = False
@@ -72,13 +78,17 @@ class ForwardDraws(TorchFunctionMode):
         return self  # an EMA's deepcopy of the model keeps its hooks on the run's draws
 
     def remove(self) -> None:
-        """Take the hooks off the model (the run's first step is over and nothing is keyed)."""
+        """Take the hooks off the model."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling() or not (module.training and self.draws.active):
+        # Unkeyed, the hooks stay after the first step but enter nothing: a compiled model's
+        # guards see the same hooks on every call.
+        if torch.compiler.is_compiling() or not (self.keyed or self.observing):
+            return
+        if not (module.training and self.draws.active):
             return
         self._depth += 1
         if self._depth == 1:
