@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ddpkit.errors import ConfigError
-from ddpkit.run import checkpoints
+from ddpkit.run import checkpoints, resume
 from ddpkit.run.preempt import exit_preempted
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ class StepBoundaries:
         every = self.ckpt_cfg.save_every
         due = self.save_now or (every > 0 and (self.step % every == 0 or last))
         save = due and (self.saved_step != self.step or (last and not self.final))
+        # A checkpoint of the last step (run.save() after the budget stopped the loop, with
+        # save_every=0) is written again, marked finished: the same command then does nothing.
+        save = save or (last and not self.final and self.saved_step == self.step > 0 and self.out is not None)
         check_every = self.monitor.check_every
         if check_every and ended and (self.step % check_every == 0 or last):
             self.replicas.start(self.step)
@@ -109,6 +112,7 @@ class StepBoundaries:
         finished run, which the same command then leaves alone). Collective."""
         if self.out is None:
             raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
+        self.restore()  # saved before the loop's first batch: what it resumed, not fresh objects
         self.gate.check_norms()
         self.save_now, self.saved_step, self.final = False, self.step, final
         # The step's log lines first: a run killed after this checkpoint resumes after them.
@@ -116,7 +120,7 @@ class StepBoundaries:
         if self.outside:
             self.flush_between()
         self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
-        finished = checkpoints.command(self.steps) if final else None
+        finished = {**checkpoints.command(self.steps), "epoch": self._epoch_reached()} if final else None
         path = checkpoints.save(
             self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
         )
@@ -124,10 +128,16 @@ class StepBoundaries:
             log.debug("saved %s", path)
             self.saves = (self.saves[0] + 1, path)
 
+    def _epoch_reached(self) -> int | None:
+        """The loader's epoch at the run's end (``loader.epoch``): a loop over more trains on."""
+        return self.source.epoch if self.source is not None else None
+
     # --- the end -------------------------------------------------------------------------------
 
     def finish(self) -> None:
         """``run.finish``: close the last step as the run's last (its log line and checkpoint)."""
+        if not self.started and (finished := self.session.finished_run()) is not None:
+            return self._leave_finished(finished)
         if self.started:
             self.settle(last=True)
         if self.writer is not None:
@@ -135,6 +145,19 @@ class StepBoundaries:
         self.restore()  # a resumed run that had nothing left to do still checks what it resumed
         if self.saves[0]:
             log.info("%d checkpoint(s) written, the last %s", *self.saves)
+
+    def _leave_finished(self, saved: dict) -> None:
+        """A finished run resumed by another command whose loop ran no step (no more epochs than it
+        ran): every registered object gets the checkpoint's state, rank 0 says so in one line,
+        and the run closes as finished with no collective and no checkpoint (Run writes no
+        OUT/NAME.pt either), so a rank whose code after the loop failed leaves the others nothing
+        to wait for."""
+        taken = self.session.take_saved()
+        assert taken is not None, "a finished run's checkpoint is restored once"
+        checkpoints.restore_run(*taken, self.objects, self.models, self.env, self.step, check=False)
+        if self.env.is_rank0:
+            print(resume.trained_nothing(self.out or taken[0], saved, self.steps), flush=True)
+        self.close(plot=True)  # its trackers' runs end as finished; loss.png is drawn again, alike
 
     def close(self, plot: bool = False) -> None:
         """Stop the diagnostics and leave the process group without another collective."""

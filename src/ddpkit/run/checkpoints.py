@@ -57,12 +57,21 @@ def check_names(path: str, saved: dict, registered: list[str]) -> None:
 
 
 def restore_run(
-    path: str, saved: dict, objects: dict[str, Any], models: dict[str, nn.Module], env: DistEnv, step: int
+    path: str,
+    saved: dict,
+    objects: dict[str, Any],
+    models: dict[str, nn.Module],
+    env: DistEnv,
+    step: int,
+    check: bool = True,
 ) -> None:
     """At the loop's first batch: every registered object gets its part of the checkpoint at
-    ``path``, the generators their state, and the replicas are checked to agree."""
+    ``path``, the generators their state, and the replicas are checked to agree (``check``: the
+    one collective, and the line that says so; a run that leaves as it was makes neither)."""
     check_names(path, saved["state"], list(objects))
     restore(objects, saved, env.rank, restore_parts(path, saved["state"], objects))
+    if not check:
+        return
     for name, model in models.items():
         check_replicas_agree(unwrap(model), env, f"after loading {path} ({name})")
     if env.is_rank0:
@@ -78,7 +87,7 @@ def restore(objects: dict[str, Any], saved: dict, rank: int, sharded: set[str] =
     last = [n for n, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)]
     changes = notices.compare_settings(objects, saved.get("settings", {}))
     if changes and rank == 0:
-        notices.resumed_with_other_settings(changes)
+        notices.resumed_with_other_settings(changes, notices.not_compared(objects))
     for name in [n for n in objects if n not in last] + last:
         if name not in sharded and name in saved["state"]:  # OPTIONAL: not in older checkpoints
             objects[name].load_state_dict(saved["state"][name])
@@ -113,9 +122,10 @@ def save(
 
     An object whose state differs by rank (``per_rank_state``: a stream's position) is saved as the
     list of every rank's ``state_dict()``, gathered with the generators' states. ``finished``
-    marks the final checkpoint with the command that finished it (``command``). With ``writer``
-    (``async_save``), rank 0 returns once a host copy of the state is made, and each rank once
-    DCP has copied its shards; the writers' threads write them (checkpoint/background.py, dcp.py)."""
+    marks the final checkpoint with the command that finished it (``command``) and the loader's
+    epoch then. With ``writer`` (``async_save``), rank 0 returns once a host copy of the state
+    is made, and each rank once DCP has copied its shards; the writers' threads write them
+    (checkpoint/background.py, dcp.py)."""
     own = {name: obj.state_dict() for name, obj in objects.items() if getattr(obj, "per_rank_state", False)}
     everyone: list[dict | None] = [None] * env.world_size
     dist.all_gather_object(everyone, {"rng": capture_rng(), "own": own})

@@ -1,9 +1,9 @@
 """Whether, and from where, a Run continues: the checkpoint every rank loads at ``Run()``.
 
 Rank 0 chooses (``checkpoint/choose.py``), every rank checks a share of the choice's files, and
-they fall back together; a fresh start refuses a folder that holds an earlier run, and the same
-command again on a run it finished has nothing to do (``finished_here``). What a checkpoint holds,
-and how it is saved and restored, is ``run/checkpoints.py``'s.
+they fall back together; a fresh start refuses a folder that holds an earlier run, and a command
+that cannot train a finished run further has nothing to do (``finished_here``). What a checkpoint
+holds, and how it is saved and restored, is ``run/checkpoints.py``'s.
 """
 
 from __future__ import annotations
@@ -108,15 +108,51 @@ def load(path: str, device: torch.device) -> dict:
     return state
 
 
-def finished_here(saved: dict | None, steps: int | None, env: DistEnv) -> bool:
-    """True on every rank when ``saved`` is the final checkpoint of this very command, run again
-    (a new process; one that finished it and makes another Run continues). Collective."""
-    if saved is None or saved.get("finished") is None:
-        return False  # every rank loaded the same checkpoint: all return here alike, no collective
-    done = [False]
+def finished_here(
+    where: Path | str | None, saved: dict | None, steps: int | None, env: DistEnv
+) -> str | None:
+    """The one line to say, on every rank, when ``saved`` is a finished run's final checkpoint that
+    this command cannot train on: the same command again (its arguments, script text and
+    ``steps``), or a ``steps`` no higher than the step it finished at, which the loader stops at
+    at once. None when it may train on: another command (more epochs), or the same process making
+    another Run, or a worker the elastic agent restarted (its run failed after finishing).
+    Collective."""
+    if saved is None or saved.get("finished") is None or env.restart_count > 0:
+        return None  # every rank loaded the same checkpoint: all return here alike, no collective
+    line: list[str | None] = [None]
     if env.is_rank0:
-        now, then = checkpoints.command(steps), dict(saved["finished"])
-        done = [then.pop("pid") != now.pop("pid") and then == now]
+        line = [_nothing_to_do(where, saved, steps)]
     if env.world_size > 1:
-        dist.broadcast_object_list(done, src=0)
-    return done[0]
+        dist.broadcast_object_list(line, src=0)
+    return line[0]
+
+
+def _nothing_to_do(where: Path | str | None, saved: dict, steps: int | None) -> str | None:
+    then, now, step = saved["finished"], checkpoints.command(steps), saved["step"]
+    if then.get("pid") == now["pid"]:
+        return None
+    same = all(then.get(key) == now[key] for key in ("argv", "script", "steps"))
+    if not same and (steps is None or steps > step):
+        return None
+    head = "this command's finished run" if same else "a finished run"
+    asks = "" if same else f" and steps={steps} asks for no more"
+    return f"ddpkit: {where} holds {head} (step {step}){asks}; nothing to do: {further(saved, steps)}"
+
+
+def trained_nothing(where: Path | str, saved: dict, steps: int | None) -> str:
+    """The line of a finished run resumed by another command whose loop ran no step (no more epochs)."""
+    return (
+        f"ddpkit: {where} holds a finished run (step {saved['step']}) and this command trained no "
+        f"step, so it is left as it was: {further(saved, steps)}"
+    )
+
+
+def further(saved: dict, steps: int | None) -> str:
+    """How to train a finished run further: a higher ``steps``, more epochs, or another out."""
+    step, then = saved["step"], saved["finished"]
+    on_epochs = then.get("steps") is None or step < then["steps"]  # its loop ended before the budget
+    epoch = then.get("epoch")
+    epochs = f"raise the loop's epochs above {epoch}" if epoch is not None else "loop over more epochs"
+    ways = [f"pass steps= above {step}"] if steps is not None and steps <= step else []
+    ways += [epochs] if on_epochs or not ways else []
+    return f"to train further {' and '.join(ways)}, or use another out to start over"

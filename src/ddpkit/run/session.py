@@ -48,8 +48,10 @@ class Session:
         """Take OUT's lock (rank 0) and decide, on every rank alike, whether and from where the run
         continues; the chosen checkpoint is loaded. Collective.
 
-        The same command again on a run it finished has nothing to do: it says so in one line and
-        the process exits with 0 (``SystemExit``) before anything is written; OUT/model.pt stands."""
+        A finished run that this command cannot train on (``resume.finished_here``: the same
+        command, or a spent ``steps``) has nothing to do: rank 0 says so in one line, every rank
+        leaves (the group, OUT's lock) and the process exits with 0 (``SystemExit``) here, before
+        anything is written and before any code of the script's after this call runs."""
         self.lock = OutLock(out) if out is not None and self.env.is_rank0 else None
         self.resume_path = resume.resume_point(out, cfg, self.env, self.lock)
         if out is not None:
@@ -58,15 +60,19 @@ class Session:
             if self.env.is_rank0 and self.resume_path is None and not restarted:
                 (out / EVENTS).unlink(missing_ok=True)  # an earlier run's, started over
         self.saved = resume.load(self.resume_path, self.env.device) if self.resume_path else None
-        if resume.finished_here(self.saved, steps, self.env):
+        line = resume.finished_here(out or self.resume_path, self.saved, steps, self.env)
+        if line is not None:
             if self.env.is_rank0:
-                print(
-                    f"ddpkit: {out} holds this command's finished run (step {self.saved['step']}); nothing "
-                    "to do. To train on, change the command (more epochs, steps=), or use another out",
-                    flush=True,
-                )
+                print(line, flush=True)
             self.leave()
             raise SystemExit(0)
+
+    def finished_run(self) -> dict | None:
+        """The finished run's checkpoint another command resumed, until the loop's first batch
+        restores it (a restarted worker's run failed after it was written: it finishes again)."""
+        if self.saved is None or self.saved.get("finished") is None or self.env.restart_count > 0:
+            return None
+        return self.saved
 
     def saved_state(self, name: str) -> object | None:
         """The part ``name`` of the checkpoint the run continues from, before the loop restores it."""
