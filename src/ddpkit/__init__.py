@@ -5,7 +5,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
-from ddpkit.run.ema import EMA
+from ddpkit.run.ema import EMA, ema_warmup
 from ddpkit.run.engine import unwrap
 from ddpkit.run.materialize import empty_init
 from ddpkit.train.task import Task
@@ -21,6 +21,7 @@ __all__ = [
     "Task",
     "__version__",
     "destroy",
+    "ema_warmup",
     "empty_init",
     "init_distributed",
     "launch",

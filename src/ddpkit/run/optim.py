@@ -87,8 +87,7 @@ class OptimizerGate:
         optimizer's rate is the one metrics lines show."""
         gate(obj, self)
         if isinstance(obj, EMA):
-            state = self.state
-            obj.accumulating = lambda: state.accumulating
+            obj.step_state = self.state  # it reads whether the step is accumulating, and its number
         if self.lr_optimizer is None and isinstance(obj, torch.optim.Optimizer):
             self.lr_optimizer = obj
 

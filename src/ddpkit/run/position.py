@@ -81,6 +81,6 @@ class RunPosition:
         return self._cycle.monitor.last_loss
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on global rank 0 only."""
+        """``print`` on global rank 0 only, flushed unless ``flush=False`` says otherwise."""
         if self.env.is_rank0:
-            print(*args, **kwargs, flush=True)
+            print(*args, **{"flush": True, **kwargs})

@@ -9,6 +9,7 @@ step boundary every rank reaches in the same order: one loop cannot make ranks d
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -32,6 +33,7 @@ from ddpkit.run.engine import local_forwards, unwrap
 from ddpkit.run.evaluate import evaluate
 from ddpkit.run.held_grads import HeldGrads
 from ddpkit.run.loader import Loader, make_source
+from ddpkit.run.main_first import main_first
 from ddpkit.run.monitor import Monitor
 from ddpkit.run.optim import OptimizerGate
 from ddpkit.run.per_sample import PerSample
@@ -267,6 +269,11 @@ class Run(RunPosition, PerSample):
         with local_forwards(list(self._models.values())):
             return evaluate(dataset, fn, self.env, list(self._models.values()), seed=self.seed, **kwargs)
 
+    def main_first(self, local: bool = False) -> contextlib.AbstractContextManager[None]:
+        """A block rank 0 runs first (``local=True``: each machine's local rank 0), then the others,
+        which find its cache (a ``datasets.map``, a download). Every rank enters it (main_first.py)."""
+        return main_first(self.env, lambda name: self._monitor.phase(self._cycle.step, name), local)
+
     # --- the end -------------------------------------------------------------------------------
 
     def finish(self) -> None:
@@ -276,7 +283,8 @@ class Run(RunPosition, PerSample):
         if self._cycle.closed:
             return
         self._cycle.finish()
-        save_final(self._models, self._objects, self.out, self.env)  # OUT/NAME.pt: models, then EMAs
+        if not self._cycle.closed:  # closed: a finished run that trained no step, left as it was
+            save_final(self._models, self._objects, self.out, self.env)  # OUT/NAME.pt: models, then EMAs
         self.close(plot=True)
 
     def close(self, plot: bool = False) -> None:
