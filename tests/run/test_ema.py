@@ -199,8 +199,14 @@ class TimmStyleEma(nn.Module):
 
 
 def _ema_of(kind: str, run: ddpkit.Run, model: nn.Module) -> tuple[object, object]:
-    """An EMA of ``kind`` tracked as ``ema``, and its update as porting.md writes it for the loop."""
+    """An EMA of ``kind`` tracked as ``ema``, and its update as porting.md writes it for the loop
+    (``kind_every``: the update on every micro-batch, without ``run.at_step_end``)."""
     net = ddpkit.unwrap(model)
+    if kind.endswith("_every"):
+        ema, _ = _ema_of(kind.removesuffix("_every"), run, model)
+        if isinstance(ema, EMAModel):
+            return ema, lambda: ema.step(model.parameters())
+        return ema, lambda: ema.update(net, step=run.step)
     if kind == "ddpkit":  # gated by the run: after every optimizer.step()
         ema = ddpkit.EMA(model, decay=ddpkit.ema_warmup(power=0.75, max_decay=0.99))
         update = ema.update
@@ -276,3 +282,10 @@ def test_an_ema_killed_and_resumed_is_the_uninterrupted_runs_to_the_bit(tmp_path
     assert averaged.keys() == torch.load(tmp_path / "cut" / "model.pt", weights_only=True).keys()
     assert all(torch.equal(averaged[k], v.float()) for k, v in expected.items())
     assert not torch.equal(averaged["0.weight"], torch.load(tmp_path / "cut" / "model.pt")["0.weight"])
+
+
+@pytest.mark.parametrize("kind", ["diffusers", "timm"])
+def test_a_library_ema_updated_on_every_micro_batch_still_averages_once_a_step(tmp_path, kind):
+    # The run gates EMAModel.step and ModelEma.update as it gates an optimizer: a loop that forgot
+    # run.at_step_end gets the same average (and warm-up count), not one per micro-batch.
+    assert _same(_loop(tmp_path / "gated", kind), _loop(tmp_path / "every", kind + "_every"))

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
+from ddpkit.run.averages import holds_module, shadow_tensors
 from ddpkit.run.config import OptimConfig
 from ddpkit.run.ema import EMA
 from ddpkit.run.held_grads import HeldGrads
-from ddpkit.run.norms import NormWatch
+from ddpkit.run.norms import NormWatch, optimizer_params, total_norm
 from ddpkit.run.step_state import StepState
 
 log = logging.getLogger(__name__)
@@ -203,16 +204,27 @@ class _GatedScheduler:
         return _rebuild, (_user_class(self), state)
 
 
-class _GatedAverage:
-    """Mixed in before the user's ``AveragedModel`` (an EMA, SWA) by ``gate``: the average takes
-    the weights once per optimizer step, not once per micro-batch."""
+def _at_step_end(name: str) -> Callable:
+    """The average's own ``name`` method, run at a step's last micro-batch only."""
 
-    ddpkit_gate: OptimizerGate
-
-    def update_parameters(self, model: nn.Module) -> None:
+    def method(self, *args: Any, **kwargs: Any) -> Any:
         if self.ddpkit_gate.state.accumulating:
             return None  # not the step's last micro-batch: the weights have not moved
-        return super().update_parameters(model)
+        return getattr(super(_GatedAverage, self), name)(*args, **kwargs)
+
+    return method
+
+
+class _GatedAverage:
+    """Mixed in before the user's average by ``gate``: torch's ``AveragedModel`` (an EMA, SWA;
+    ``update_parameters``), diffusers' ``EMAModel`` (``step``) or timm's ``ModelEma*``
+    (``update``) takes the weights once per optimizer step, not once per micro-batch, so its
+    warm-up counts optimizer steps whether or not the loop updates it under ``run.at_step_end``."""
+
+    ddpkit_gate: OptimizerGate
+    update_parameters = _at_step_end("update_parameters")
+    step = _at_step_end("step")
+    update = _at_step_end("update")
 
     def __reduce_ex__(self, protocol: int) -> Any:
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
@@ -237,8 +249,8 @@ _CLASSES: dict[type, type] = {}
 
 
 def gate(obj: object, owner: OptimizerGate) -> None:
-    """Make an optimizer, LR scheduler or AveragedModel act only at a step's last micro-batch;
-    other objects are left alone."""
+    """Make an optimizer, LR scheduler or average (AveragedModel, EMAModel, ModelEma) act only at a
+    step's last micro-batch; other objects are left alone."""
     if isinstance(obj, torch.optim.Optimizer):
         mixin = _GatedOptimizer
         # A scheduler built before this call replaced obj.step on the instance; drop that so
@@ -246,7 +258,7 @@ def gate(obj: object, owner: OptimizerGate) -> None:
         obj.__dict__.pop("step", None)
     elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau):
         mixin = _GatedScheduler
-    elif isinstance(obj, torch.optim.swa_utils.AveragedModel):
+    elif isinstance(obj, torch.optim.swa_utils.AveragedModel) or holds_module(obj) or shadow_tensors(obj):
         mixin = _GatedAverage
     else:
         return
@@ -273,27 +285,3 @@ def ungated(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield
     finally:
         gate.inner = False
-
-
-def total_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The gradients' global 2-norm, a plain tensor, clipping them to ``max_norm`` when it is above 0."""
-    if max_norm > 0:
-        norm = nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        grads = [p.grad for p in params]
-        first = grads[0] if grads else None
-        if first is not None and all(
-            type(g) is torch.Tensor and g.device == first.device and g.dtype == first.dtype for g in grads
-        ):
-            # One foreach kernel and a norm of the norms: get_total_norm's grouping by device and
-            # dtype costs 15 us a step more in Python, paid on every step for the non-finite check.
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        norm = nn.utils.get_total_norm(grads)
-    # fsdp's sharded gradients give a DTensor norm. Its full tensor is the same value on every rank
-    # (a no-op for a replicated one) and a plain tensor, which a pinned host copy can take.
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    """The optimizer's parameters that hold a gradient this step."""
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
