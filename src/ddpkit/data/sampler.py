@@ -22,6 +22,12 @@ import torch
 from ddpkit.errors import ConfigError
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of an epoch's order, from (seed, epoch) alone, within torch's 64-bit seeds (a
+    large run seed would overflow ``manual_seed``; below 2**44 the value is seed * 1000003 + epoch)."""
+    return (seed * 1_000_003 + epoch) % 2**64
+
+
 @dataclass
 class SamplerState:
     """Where the sampler is: ``consumed`` samples of epoch ``epoch`` have been taken by the world."""
@@ -62,8 +68,8 @@ class GlobalBatchSampler:
             raise ConfigError("the dataset is empty; a sampler needs at least one sample")
         if drop_last and num_samples < global_batch:
             raise ConfigError(
-                f"--global-batch {global_batch} exceeds the dataset's {num_samples} samples with drop_last; "
-                "use a smaller global batch"
+                f"global_batch={global_batch} exceeds the dataset's {num_samples} samples with drop_last, "
+                "which would drop every batch; use a smaller global batch, or drop_last=False"
             )
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size = rank, world_size
@@ -76,7 +82,7 @@ class GlobalBatchSampler:
             if self.order is not None:
                 self._order = self.order(self.seed, self.state.epoch)
             elif self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.state.epoch)
+                gen = torch.Generator().manual_seed(epoch_seed(self.seed, self.state.epoch))
                 self._order = torch.randperm(self.num_samples, generator=gen)
             else:
                 self._order = torch.arange(self.num_samples)
@@ -168,7 +174,7 @@ def weighted_order(weights: Any, num_samples: int) -> Callable[[int, int], torch
         raise ConfigError("weights must be finite, non-negative and not all 0")
 
     def order(seed: int, epoch: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        gen = torch.Generator().manual_seed(epoch_seed(seed, epoch))
         return torch.multinomial(w, num_samples, replacement=True, generator=gen)
 
     return order

@@ -56,20 +56,26 @@ class DataConfig:
             DataLoader given to ``run.loader``); must split evenly over the ranks.
         micro_batch: samples per forward/backward on one rank; below the rank's share of the
             global batch it means gradient accumulation. None: the whole share at once.
-        drop_last: skip each epoch's final partial global batch (by default it is used).
-        shuffle: a new order each epoch, drawn from (seed, epoch) alone.
+        drop_last: skip each epoch's final partial global batch. None: the drop_last of the
+            DataLoader given to ``run.loader``, else False (the last partial batch is used).
+        shuffle: a new order each epoch, drawn from (seed, epoch) alone. None: the shuffle of the
+            DataLoader given to ``run.loader``, else True (a dataset given bare is shuffled).
     """
 
     global_batch: int | None = None
     micro_batch: int | None = None
-    drop_last: bool = False
-    shuffle: bool = True
+    drop_last: bool | None = None
+    shuffle: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "micro_batch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}={value!r} must be a positive integer (or None)")
+        for name in ("drop_last", "shuffle"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be True, False or None (the DataLoader's)")
 
 
 @dataclass(frozen=True)

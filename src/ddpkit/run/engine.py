@@ -33,6 +33,21 @@ from ddpkit.run.sharded import is_sharded, set_sync, shard
 from ddpkit.run.step_state import StepState
 
 
+def _check_cpu(cfg: EngineConfig) -> None:
+    """Refuse, on a CPU, what torch only does on GPUs, naming what a CPU run does instead."""
+    if cfg.precision == "fp16":
+        raise ConfigError(
+            "precision='fp16' (a GradScaler) needs GPUs (torch refuses it on CPU); "
+            "leave it off, or use bf16 on CPU"
+        )
+    if cfg.sync_batchnorm:
+        raise ConfigError(
+            "sync_batchnorm=True needs GPUs (torch's SyncBatchNorm refuses CPU tensors); on CPU use "
+            "GroupNorm or LayerNorm instead of BatchNorm, freeze the BatchNorm statistics (model.eval() "
+            "on the BN modules), or leave sync_batchnorm off and accept per-rank batch statistics"
+        )
+
+
 def wrap(
     model: nn.Module,
     env: DistEnv,
@@ -50,9 +65,8 @@ def wrap(
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"run.setup takes an nn.Module, got {type(model).__name__}")
-    if env.device.type != "cuda" and (cfg.precision == "fp16" or cfg.sync_batchnorm):
-        what = "precision='fp16' (a GradScaler)" if cfg.precision == "fp16" else "sync_batchnorm=True"
-        raise ConfigError(f"{what} needs GPUs (torch refuses it on CPU); leave it off, or use bf16 on CPU")
+    if env.device.type != "cuda":
+        _check_cpu(cfg)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameter that requires grad; nothing to train")
     if cfg.offload and env.device.type != "cuda":

@@ -4,11 +4,12 @@
 ``MapSource`` for a map-style dataset, a ``StreamSource`` for a stream), and the cycle drives the
 pass (``StepCycle.drive``). ``make_source`` builds that source from what the user hands
 ``run.loader`` (a dataset, a stream or a DataLoader, and DataLoader arguments), checked in one
-line each by ``run/loader_checks.py``.
+line each by ``run/loader_checks.py`` (a DataLoader's own settings by ``run/from_dataloader.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,9 +19,12 @@ from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
 from ddpkit.dist import DistEnv
 from ddpkit.run.config import DataConfig, check_split
 from ddpkit.run.cycle import StepCycle
-from ddpkit.run.loader_checks import check_stream, is_stream, loader_parts
+from ddpkit.run.from_dataloader import batch_size_line
+from ddpkit.run.loader_checks import Parts, check_stream, is_stream, loader_parts
 from ddpkit.run.map_source import MapSource
 from ddpkit.run.stream import StreamSource
+
+log = logging.getLogger(__name__)
 
 
 class Loader:
@@ -92,38 +96,33 @@ def make_source(
     """The source of ``run.loader(data, **kwargs)``: a stream's, or a map-style dataset's over the
     run's global-batch sampler (drawn by ``weights=`` when given)."""
     weights, inexact = kwargs.pop("weights", None), kwargs.pop("inexact_resume", False)
-    dataset, global_batch, kwargs, shuffle = loader_parts(data, cfg, env.device, kwargs)
-    if is_stream(dataset):
-        buffer = check_stream(dataset, weights, inexact)
-        check_split(global_batch, env.world_size)
-        source = StreamSource(env, dataset, global_batch, cfg.micro_batch, kwargs)
+    parts = loader_parts(data, cfg, env.device, kwargs, seed)
+    check_split(parts.global_batch, env.world_size)
+    if is_stream(parts.dataset):
+        buffer = check_stream(parts.dataset, weights, inexact)
+        source = StreamSource(env, parts.dataset, parts.global_batch, cfg.micro_batch, parts.kwargs)
         source.inexact_buffer = buffer
-        return source
-    sampler = make_sampler(dataset, global_batch, env, cfg, seed, shuffle, weights)
-    return MapSource(dataset, sampler, cfg.micro_batch, kwargs)
+    else:
+        sampler = make_sampler(parts, env, seed, weights)
+        source = MapSource(parts.dataset, sampler, cfg.micro_batch, parts.kwargs)
+    if parts.batch_size_taken and env.is_rank0:  # the same on every rank: said once
+        log.info("%s", batch_size_line(parts.global_batch, env.world_size, cfg.micro_batch))
+    return source
 
 
-def make_sampler(
-    dataset: Dataset,
-    global_batch: int,
-    env: DistEnv,
-    cfg: DataConfig,
-    seed: int,
-    shuffle: bool,
-    weights: Any = None,
-) -> GlobalBatchSampler:
-    """The run's GlobalBatchSampler, after checking that the global batch splits over the ranks."""
-    check_split(global_batch, env.world_size)
+def make_sampler(parts: Parts, env: DistEnv, seed: int, weights: Any = None) -> GlobalBatchSampler:
+    """The run's GlobalBatchSampler over a map-style dataset, by its shuffle and drop_last."""
+    dataset = parts.dataset
     order = getattr(dataset, "epoch_order", None)  # ddpkit.data.Shards: shard by shard
     if weights is not None:
         order = weighted_order(weights, len(dataset))
     return GlobalBatchSampler(
         len(dataset),
-        global_batch,
+        parts.global_batch,
         env.rank,
         env.world_size,
         seed=seed,
-        shuffle=shuffle,
-        drop_last=cfg.drop_last,
+        shuffle=parts.shuffle,
+        drop_last=parts.drop_last,
         order=order,
     )

@@ -46,7 +46,8 @@ GENERATOR_TYPES = (random.Random, np.random.Generator, np.random.RandomState, to
 def owned_generators(dataset: Dataset) -> dict[str, Any]:
     """The generators a dataset holds as attributes (``self.rng = np.random.default_rng()``): its
     draws come from them, not from the global ones, so they are seeded per sample too."""
-    found = {name: value for name, value in vars(dataset).items() if isinstance(value, GENERATOR_TYPES)}
+    attributes = getattr(dataset, "__dict__", {})  # a list, a tuple or a dict has none
+    found = {name: value for name, value in attributes.items() if isinstance(value, GENERATOR_TYPES)}
     return {
         name: g for name, g in found.items() if not isinstance(g, torch.Generator) or g.device.type == "cpu"
     }
@@ -77,11 +78,12 @@ def _generators(owned: dict[str, Any]) -> dict[str, Any]:
 
 def draws_nothing(dataset: Dataset) -> bool:
     """True for datasets whose ``__getitem__`` cannot draw a random number: torch's
-    ``TensorDataset`` and the ``Subset``/``ConcatDataset``/``StackDataset`` of such, and a class
-    that says so itself with ``draws_random = False`` (ddpkit's own), exactly those classes: a
-    subclass may add a random transform. They are fetched plainly, without the per-batch watch."""
+    ``TensorDataset``, a list, tuple or dict (of samples), the ``Subset``/``ConcatDataset``/
+    ``StackDataset`` of such, and a class that says so itself with ``draws_random = False``
+    (ddpkit's own), exactly those classes: a subclass may add a random transform. They are
+    fetched plainly, without the per-batch watch."""
     kind = type(dataset)
-    if kind is TensorDataset or vars(kind).get("draws_random", True) is False:
+    if kind in (TensorDataset, list, tuple, dict) or vars(kind).get("draws_random", True) is False:
         return True
     if kind is Subset:
         return draws_nothing(dataset.dataset)
@@ -124,6 +126,14 @@ class SeededFetch(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the wrapper lacks: a worker_init_fn's get_worker_info().dataset.open()
+        # reaches the user's dataset, as it would without the wrapper. Not "dataset" itself, nor
+        # dunders: unpickling (in a spawned worker) asks for them before __dict__ is filled.
+        if name == "dataset" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
     def __getitems__(self, indices: list[int]) -> list:
         if self.plain:
