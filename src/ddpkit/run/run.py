@@ -194,10 +194,12 @@ class Run(RunPosition, PerSample):
         Args:
             data: a map-style Dataset (``ddpkit.data.Shards`` for sharded files), a stream (an
                 IterableDataset, a HuggingFace streaming dataset, any iterable: see
-                ``ddpkit.run.stream``), or a DataLoader over either, whose dataset, batch_size (as
-                the global batch when the run sets none), collate_fn and worker settings are taken over.
+                ``ddpkit.run.stream``), or a DataLoader over either, whose every setting is kept
+                (shuffle, drop_last, batch_size as the global batch when the run sets none,
+                collate_fn, workers) or refused in one line (run/from_dataloader.py).
             **dataloader_kwargs: num_workers, collate_fn, pin_memory, persistent_workers,
-                prefetch_factor, worker_init_fn, multiprocessing_context, as for torch's DataLoader;
+                prefetch_factor, worker_init_fn, multiprocessing_context, timeout,
+                pin_memory_device, in_order (True only), generator, as for torch's DataLoader;
                 weights: one per sample, drawn with replacement from (seed, epoch) instead of a shuffle;
                 inexact_resume: accept a stream whose state_dict cannot resume it exactly.
         """

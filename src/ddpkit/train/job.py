@@ -146,12 +146,21 @@ def check_same_run(saved: JobConfig, current: JobConfig, out: str) -> None:
     """Refuse to continue a run under settings that would make it another run."""
     before, now = saved.values(), current.values()
     for name in SAME_RUN:
-        if before[name] != now[name]:
+        if _settled(name, before[name]) != _settled(name, now[name]):
             raise ConfigError(
                 f"--resume: the run in {out!r} has {name}={before[name]!r} but this command gives "
                 f"{now[name]!r}; {as_flag(name, before[name])} to continue it, or use --overwrite "
                 "or another --out for a new run"
             )
+
+
+# None for these means "the DataLoader's", and a workload hands run.loader a dataset, not a
+# DataLoader: None is then what runs of older versions saved as the value.
+_NONE_MEANS = {"drop_last": False, "shuffle": True}
+
+
+def _settled(name: str, value: Any) -> Any:
+    return _NONE_MEANS.get(name, value) if value is None else value
 
 
 def as_flag(name: str, value: Any) -> str:
