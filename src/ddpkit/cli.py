@@ -1,4 +1,4 @@
-"""The ``ddpkit`` command: ``train`` and ``run``.
+"""The ``ddpkit`` command: ``train``, ``run``, ``check``, ``bench``, ``report``, ``inspect``.
 
 Errors a user can cause print as one line on stderr with exit code 2; a failed worker prints the
 rank and its traceback with exit code 1; a signal that stops the launcher (SIGTERM, Ctrl-C,
@@ -23,6 +23,7 @@ USAGE = """usage: ddpkit COMMAND [ARGS]
 commands:
   train [TASK]       train a built-in workload (gpt, convnet, toy) or your task.py on every process
   run SCRIPT         launch a script on every process, exactly like torchrun
+  check SCRIPT       the same run on 1, 2, 3 processes? a few steps of your script, compared
   bench KIND         benchmarks: engine, comm, scaling, trainer, fsdp, dropout, data
   report OUT         summarize a run and plot OUT/report.png
   inspect PATH       show and verify what a checkpoint holds
@@ -72,6 +73,12 @@ def cmd_bench(argv: list[str]) -> int:
     return module.main(argv[1:])
 
 
+def cmd_check(argv: list[str]) -> int:
+    from ddpkit.check.command import main as check_main
+
+    return check_main(argv)
+
+
 def cmd_report(argv: list[str]) -> int:
     from ddpkit.train.report import main as report_main
 
@@ -87,6 +94,7 @@ def cmd_inspect(argv: list[str]) -> int:
 COMMANDS = {
     "train": cmd_train,
     "run": cmd_run,
+    "check": cmd_check,
     "bench": cmd_bench,
     "report": cmd_report,
     "inspect": cmd_inspect,

@@ -1,0 +1,91 @@
+"""One rank of a ``ddpkit check`` run: the user's script, with ``ddpkit.Run`` set up for the check.
+
+Started by ``ddpkit run`` as ``worker.py --record FILE --out DIR --steps K -- SCRIPT ARGS``. Every
+``ddpkit.Run`` the script makes gets ``out=DIR`` (a scratch folder: nothing of the user's is read
+or written), ``steps=K``, a metrics line a step, no checkpoint and no resume; the models it sets up
+are watched, and after each optimizer step their weights are taken (as float32, on the CPU). Rank
+0 writes them to FILE when the script ends: ``{step: {name: tensor}}``, step 0 being the weights
+``run.setup`` returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import ddpkit
+
+
+class Recorder:
+    """The watched models' weights after every optimizer step of the run."""
+
+    def __init__(self) -> None:
+        self.run: ddpkit.Run | None = None
+        self.models: list[tuple[str, nn.Module]] = []
+        self.steps: dict[int, dict[str, torch.Tensor]] = {}
+
+    def take(self, step: int) -> None:
+        """The weights now, as those after ``step`` (a later optimizer of the same step replaces them)."""
+        weights = {}
+        for name, model in self.models:
+            for key, p in ddpkit.unwrap(model).named_parameters():
+                value = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                weights[f"{name}.{key}"] = value.float().cpu().clone()
+        self.steps[step] = weights
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.run is not None and self.models:
+            self.take(self.run.step)
+
+
+def patch(recorder: Recorder, out: str, steps: int) -> None:
+    """Every ``ddpkit.Run`` made from here on is the check's; its set-up models are watched."""
+    make, setup = ddpkit.Run.__init__, ddpkit.Run.setup
+
+    def checked_init(run: ddpkit.Run, *given: object, **options: object) -> None:
+        options.pop("out", None)  # the script's folder stays untouched: the check writes its own
+        options.update(steps=steps, save_every=0, log_every=1, progress=False, resume="never")
+        make(run, out, **options)
+        recorder.run = run
+
+    def watched_setup(run: ddpkit.Run, model: nn.Module, *args: object, **kwargs: object) -> nn.Module:
+        wrapped = setup(run, model, *args, **kwargs)
+        recorder.models.append((str(kwargs.get("name", "model")), wrapped))
+        if run.step == 0:  # the weights every count starts from
+            recorder.take(0)
+        return wrapped
+
+    ddpkit.Run.__init__ = checked_init
+    ddpkit.Run.setup = watched_setup
+    register_optimizer_step_post_hook(recorder.after_optimizer_step)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    recorder = Recorder()
+    patch(recorder, ns.out, ns.steps)
+    sys.argv = [ns.script, *ns.args]
+    sys.path.insert(0, str(Path(ns.script).resolve().parent))
+    try:
+        runpy.run_path(ns.script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    if recorder.run is not None and recorder.run.is_main:
+        torch.save(recorder.steps, ns.record)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
