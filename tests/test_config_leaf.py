@@ -1,5 +1,5 @@
 """config.py is a leaf in fact: ``ddpkit train`` and the CLI's flags read the configs without the
-runtime, so config.py and engine_config.py import only leaf modules (the standard library and
+runtime, so config.py and engine/config.py import only leaf modules (the standard library and
 modules that import only leaves), read from the source as tests/test_layers.py reads it, and
 checked by importing them."""
 
@@ -11,9 +11,9 @@ import sys
 
 from test_layers import SRC, Module, fake, imported_from, known_module, ours, read_modules
 
-# config.py and engine_config.py are read by ``ddpkit train`` and the CLI's flags without the
+# config.py and engine/config.py are read by ``ddpkit train`` and the CLI's flags without the
 # runtime: they may import leaves only.
-CONFIG_MODULES = ("ddpkit.run.config", "ddpkit.run.engine_config")
+CONFIG_MODULES = ("ddpkit.run.config", "ddpkit.run.engine.config")
 
 
 def module_level_imports(module: Module, modules: dict[str, Module]) -> set[str]:

@@ -277,3 +277,87 @@ def test_no_file_turns_the_formatter_off():
         if any(marker in line for marker in FORMATTER_OFF)
     ]
     assert not found, "lines kept from the formatter (split the file instead):\n  " + "\n  ".join(found)
+
+
+# run/'s folders from leaf to top: a module of one may import a module of an earlier folder, never
+# of a later one. The modules at run/'s top level are outside the order: the front door (run.py,
+# position.py, per_sample.py, placement.py) imports them all, and the leaves beside it
+# (config.py, micro.py, step_state.py, seeding.py) are read by every folder.
+RUN_FOLDERS = ("invariant", "monitor", "engine", "state", "step", "data")
+FRONT_DOOR = (
+    "ddpkit.run",
+    "ddpkit.run.run",
+    "ddpkit.run.position",
+    "ddpkit.run.per_sample",
+    "ddpkit.run.placement",
+)
+UPWARD_ALLOWED = {
+    # torch's set_optimizer_state_dict steps a tracked optimizer at lr 0 to build its state;
+    # ungated() lets that step past the gate, and only optim.py, which sets ddpkit_gate, reads it.
+    ("ddpkit.run.state.dcp_state", "ddpkit.run.step.optim"),
+}
+
+
+def run_folder(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == [PACKAGE, "run"] and parts[2] in RUN_FOLDERS else None
+
+
+def test_the_folders_of_run_import_only_earlier_folders():
+    modules = read_modules()
+    graph = import_graph(modules)
+    unlisted = sorted(
+        m.name
+        for m in modules.values()
+        if m.is_package
+        and m.name.count(".") == 2
+        and m.name.startswith(f"{PACKAGE}.run.")
+        and run_folder(m.name) is None
+    )
+    assert not unlisted, f"folders of run/ missing from RUN_FOLDERS: {unlisted}"
+    upward = [
+        f"{name} ({folder}) imports {target} ({run_folder(target)})"
+        for name, targets in graph.items()
+        if (folder := run_folder(name))
+        for target in sorted(targets)
+        if run_folder(target)
+        and RUN_FOLDERS.index(run_folder(target)) > RUN_FOLDERS.index(folder)
+        and (name, target) not in UPWARD_ALLOWED
+    ]
+    upward += [
+        f"{name} ({run_folder(name)}) imports the front door {target}"
+        for name, targets in graph.items()
+        if run_folder(name)
+        for target in sorted(targets & set(FRONT_DOOR))
+    ]
+    assert not upward, f"imports against the order {' < '.join(RUN_FOLDERS)}:\n  " + "\n  ".join(upward)
+
+
+# ctypes only to call a C library function that has no Python binding, never into memory.
+CTYPES_CALLS = {
+    "checkpoint/files.py": "libc's renameat2 (an exchange of two paths in one step)",
+    "launch/orphans.py": "libc's prctl(PR_SET_PDEATHSIG)",
+}
+MEMORY = {"string_at", "memmove", "memset", "from_address", "from_buffer", "addressof", "ctypes"}
+
+
+def imports_ctypes(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "ctypes" for alias in node.names)
+    return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ctypes"
+
+
+def test_no_module_reads_or_writes_memory_with_ctypes():
+    # Another library's objects read or written through their memory (a generator's state, say)
+    # break silently with its next release and skip its locks: STYLE.md allows public APIs only.
+    modules = read_modules().values()
+    importing = {m.where for m in modules for node in ast.walk(m.tree) if imports_ctypes(node)}
+    assert importing <= CTYPES_CALLS.keys(), f"ctypes imported by {sorted(importing - CTYPES_CALLS.keys())}"
+    memory = [
+        f"{m.where}:{node.lineno} .{node.attr}"
+        for m in modules
+        for node in ast.walk(m.tree)
+        if isinstance(node, ast.Attribute) and node.attr in MEMORY
+    ]
+    assert not memory, f"memory reached through ctypes at {memory}"
+    assert imports_ctypes(ast.parse("from ctypes import c_void_p").body[0])

@@ -5,9 +5,10 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError, launch
 from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
-from ddpkit.run.ema import EMA, ema_warmup
-from ddpkit.run.engine import unwrap
-from ddpkit.run.materialize import empty_init
+from ddpkit.run.engine.materialize import empty_init
+from ddpkit.run.engine.wrap import unwrap
+from ddpkit.run.sample_rng import sample_rng
+from ddpkit.run.state.ema import EMA, ema_warmup
 from ddpkit.train.task import Task
 from ddpkit.version import __version__
 
@@ -25,5 +26,6 @@ __all__ = [
     "empty_init",
     "init_distributed",
     "launch",
+    "sample_rng",
     "unwrap",
 ]

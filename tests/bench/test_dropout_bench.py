@@ -9,7 +9,7 @@ import math
 import torch
 
 from ddpkit.bench.dropout_bench import LayerCase, main
-from ddpkit.run import keyed
+from ddpkit.run.invariant import keyed
 
 TINY = ["--batch", "4", "--features", "32", "--gpt-batch", "2", "--block-size", "8", "--n-layer", "1"]
 TINY += ["--n-embd", "16", "--rounds", "2", "--per-round", "1", "--warmup", "1", "--no-compile"]

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ddpkit.models import GPT, ConvNet, GPTConfig
 from ddpkit.run import EngineConfig
-from ddpkit.run.engine import unwrap, wrap
+from ddpkit.run.engine.wrap import unwrap, wrap
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

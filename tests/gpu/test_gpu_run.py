@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.data.sampler import GlobalBatchSampler
-from ddpkit.run.engine import unwrap
+from ddpkit.run.engine.wrap import unwrap
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -48,7 +48,7 @@ def test_quiet_steps_run_under_the_sync_debug_mode_error(tmp_path):
 
 
 def test_a_signal_on_a_gpu_stops_the_run_at_an_agreed_step_with_its_checkpoint(tmp_path):
-    # On a GPU the ranks' agreement on a signal is read one agreement later (run/preempt.py), so
+    # On a GPU the ranks' agreement on a signal is read one agreement later (run/step/preempt.py), so
     # that it makes no host sync: the stop comes within two agreements (at most every log_every=4
     # steps), at a step boundary, with that step's checkpoint, and the exit code of the signal.
     data = TensorDataset(torch.randn(8 * 30, 6), torch.randn(8 * 30, 1))

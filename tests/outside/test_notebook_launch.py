@@ -190,7 +190,7 @@ def test_a_run_loop_in_a_cell_equals_ddpkit_run(notebook):
     assert "whole" not in notebook.errors, shown
     assert shown.strip().splitlines()[-1] == f"[{STEPS}, {STEPS}]"
     # Rank 0's log lines and progress bar reach the cell; no other rank's.
-    assert "[rank 0] INFO ddpkit.run.boundary: 8 checkpoint(s) written" in shown, shown[-2000:]
+    assert "[rank 0] INFO ddpkit.run.step.boundary: 8 checkpoint(s) written" in shown, shown[-2000:]
     assert "[rank 1]" not in shown, shown[-2000:]
     assert "epoch 2: 100%|██████████| 10/10" in shown, shown[-2000:]
     _assert_same_run(notebook, "whole")

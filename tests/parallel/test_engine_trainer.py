@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 from ddpkit import ConfigError, DataParallel, Run
 from ddpkit.run import EngineConfig
-from ddpkit.run.metrics import read_metrics
+from ddpkit.run.monitor.metrics import read_metrics
 from ddpkit.train import JobConfig, Task, Trainer
 
 pytestmark = pytest.mark.slow  # each file spawns its ranks once, for a few seconds

@@ -1,5 +1,5 @@
-"""Functional dropout keyed per sample (run/functional_dropout.py) and what rank 0 says after the
-first micro-batch (run/first_step.py), in a world of one: the same sample gets the same masks in
+"""Functional dropout keyed per sample (run/invariant/functional_dropout.py) and what rank 0 says after the
+first micro-batch (run/step/first_step.py), in a world of one: the same sample gets the same masks in
 a micro-batch of 8 or of 2, and each habit that breaks the same update is said once."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.functional_dropout import ForwardDraws, keyed_attention
+from ddpkit.run.invariant.draws import SampleDraws
+from ddpkit.run.invariant.functional_dropout import ForwardDraws, keyed_attention
 from ddpkit.run.micro import Micro
 
 

@@ -1,4 +1,4 @@
-"""The per-sample keyed draws (run/keyed.py, run/draws.py, run/dropout.py): the hash is what it
+"""The per-sample keyed draws (run/invariant/keyed.py, draws.py, dropout.py): the hash is what it
 says, its masks have dropout's statistics, and a sample's draws do not depend on which
 micro-batch holds it."""
 
@@ -10,9 +10,9 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.run import keyed
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.dropout import key_dropout
+from ddpkit.run.invariant import keyed
+from ddpkit.run.invariant.draws import SampleDraws
+from ddpkit.run.invariant.dropout import key_dropout
 from ddpkit.run.micro import Micro
 
 CPU = torch.device("cpu")

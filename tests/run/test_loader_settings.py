@@ -24,7 +24,7 @@ from torch.utils.data import (
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.run.from_dataloader import batch_size_line
+from ddpkit.run.data.from_dataloader import batch_size_line
 
 DATA = TensorDataset(torch.arange(50.0), torch.arange(50) % 3)  # sample i: (i, i mod 3)
 

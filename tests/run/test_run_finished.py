@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.run import checkpoints
+from ddpkit.run.state import checkpoints
 
 SCRIPT = Path(__file__).with_name("finished_script.py")
 

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, TensorDataset
 from tqdm import tqdm
 
 import ddpkit
-from ddpkit.run.map_source import EpochIndices
+from ddpkit.run.data.map_source import EpochIndices
 from ddpkit.run.seeding import SeededFetch
 
 

@@ -1,4 +1,4 @@
-"""A model built without its weights gets them at run.setup (run/materialize.py): from a file on
+"""A model built without its weights gets them at run.setup (run/engine/materialize.py): from a file on
 1, 2 and 3 processes on the torch and fsdp engines, equal to the eager build's; from its own
 initialization, equal to an eager ``Net()`` under the run's seed; and one line for each misuse."""
 

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.run.metrics import read_metrics
-from ddpkit.run.monitor import CHECK_EVERY, CHECK_INTERVAL_S, LOG_EVERY, LOG_INTERVAL_S, paced_every
+from ddpkit.run.monitor.metrics import read_metrics
+from ddpkit.run.monitor.monitor import CHECK_EVERY, CHECK_INTERVAL_S, LOG_EVERY, LOG_INTERVAL_S, paced_every
 
 STEPS, PAUSE_STEP, PAUSE_S = 400, 150, 0.5
 

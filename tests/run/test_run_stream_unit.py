@@ -72,7 +72,7 @@ def _shuffled_stream(out, capfd, kill_at: int | None = None) -> list[str]:
             break
     else:
         run.finish()
-    return [line for line in capfd.readouterr().err.splitlines() if "ddpkit.run.stream" in line]
+    return [line for line in capfd.readouterr().err.splitlines() if "ddpkit.run.data.stream" in line]
 
 
 def test_with_inexact_resume_a_shuffled_stream_runs_and_its_resume_says_so_once(tmp_path, capfd):

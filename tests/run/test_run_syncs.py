@@ -15,7 +15,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.run.log_gather import device_peak
+from ddpkit.run.monitor.log_gather import device_peak
 
 SYNCING = ("item", "tolist", "__bool__", "cpu")
 

@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.run.trackers import run_params
+from ddpkit.run.monitor.trackers import run_params
 from ddpkit.train.command import parse
 
 SCRIPT = Path(__file__).with_name("trackers_script.py")
@@ -344,7 +344,7 @@ def test_a_kill_between_creating_the_mlflow_run_and_recording_it_leaves_one_run(
     # Seen 1 in 5 kills under load: a second MLflow run, the first stuck RUNNING.
     from mlflow import MlflowClient
 
-    from ddpkit.run.trackers import _MLflow
+    from ddpkit.run.monitor.trackers import _MLflow
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     out = tmp_path / "out"

@@ -16,7 +16,7 @@ import torch
 from helpers import descendants
 
 from ddpkit.launch.restarts import EVENTS
-from ddpkit.run.metrics import read_metrics
+from ddpkit.run.monitor.metrics import read_metrics
 from ddpkit.train.report import summarize
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, TensorDataset
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.errors import ConfigError
 from ddpkit.run import Run
-from ddpkit.run.metrics import read_metrics
+from ddpkit.run.monitor.metrics import read_metrics
 from ddpkit.train import JobConfig, Task, Trainer
 
 

@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 from ddpkit.diagnostics.stats import stragglers
 from ddpkit.launch import LaunchError
 from ddpkit.run import Run
-from ddpkit.run.metrics import read_metrics
+from ddpkit.run.monitor.metrics import read_metrics
 from ddpkit.train import JobConfig, Task, Trainer
 from ddpkit.train.worker import check_same_job
 

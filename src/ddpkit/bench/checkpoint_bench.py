@@ -49,7 +49,7 @@ import ddpkit
 from ddpkit.errors import OneLineParser
 from ddpkit.launch import launch
 from ddpkit.models import GPT, GPTConfig
-from ddpkit.run.engine import unwrap
+from ddpkit.run.engine.wrap import unwrap
 
 
 def _gpt() -> GPT:

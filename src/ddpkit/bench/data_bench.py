@@ -11,7 +11,9 @@ in a world of one, on three datasets of 32x32 images:
   watched every batch;
 - ``crop``: a random 32x32 crop of a 40x40 image and a random flip, drawn from the dataset's
   own ``np.random.default_rng()`` (the issue's "20-50 us of work a sample");
-- ``globals``: the same crop drawn from python's, numpy's and torch's global generators.
+- ``globals``: the same crop drawn from python's, numpy's and torch's global generators;
+- ``sample_rng``: the crop ported to ``ddpkit.sample_rng()`` (``draws_random = "sample_rng"``),
+  against the plain loader on ``crop``, the dataset it was ported from.
 
 Each is loaded by torch's DataLoader with a DistributedSampler (the seeds' loader) and by
 run.loader's own path (its sampler, plan and seeded fetch), the same batches in alternating
@@ -32,10 +34,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+import ddpkit
 from ddpkit.bench.engine_summary import interval90
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.errors import OneLineParser
-from ddpkit.run.map_source import EpochIndices, MapSource
+from ddpkit.run.data.map_source import EpochIndices, MapSource
 from ddpkit.run.seeding import SeededFetch
 
 _MEAN, _STD = torch.tensor([0.49, 0.48, 0.45]).view(3, 1, 1), torch.tensor([0.25, 0.24, 0.26]).view(3, 1, 1)
@@ -68,6 +71,24 @@ class Crops(Dataset):
         return (x - _MEAN) / _STD, self.labels[i]
 
 
+class SampleRngCrops(Crops):
+    """The same crops drawn from ``ddpkit.sample_rng()``: nothing else is watched or put back."""
+
+    draws_random = "sample_rng"
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, own_generator=False)
+
+    def _draws(self) -> tuple[int, int, bool]:
+        rng = ddpkit.sample_rng().numpy
+        top, left = rng.integers(0, 9, 2)
+        return int(top), int(left), bool(rng.random() < 0.5)
+
+
+# The dataset a plain DataLoader loads instead, where run.loader's is a port of it.
+PORTED_FROM = {"sample_rng": "crop"}
+
+
 class Fixed(Dataset):
     """Ready images, as a TensorDataset, but a class of the user's: it might draw, so it is watched."""
 
@@ -88,6 +109,7 @@ def datasets(n: int) -> dict[str, Dataset]:
         "fixed": Fixed(images),
         "crop": Crops(n, own_generator=True),
         "globals": Crops(n, own_generator=False),
+        "sample_rng": SampleRngCrops(n),
     }
 
 
@@ -105,13 +127,17 @@ def _run_pass(source: MapSource, batches: int) -> float:
     return time.perf_counter() - start
 
 
-def per_sample_us(dataset: Dataset, batch: int, rounds: int = 20) -> tuple[float, float]:
-    """Microseconds a sample for the dataset's own fetch and for the seeded one, no DataLoader."""
+def per_sample_us(
+    dataset: Dataset, batch: int, rounds: int = 20, original: Dataset | None = None
+) -> tuple[float, float]:
+    """Microseconds a sample for the dataset's own fetch (``original``'s, for a port) and for the
+    seeded one, no DataLoader."""
     seeded, times = SeededFetch(dataset, seed=0), {"plain": [], "seeded": []}
+    plain = dataset if original is None else original
     for r in range(rounds):
         indices = EpochIndices((r * batch + k) % len(dataset) for k in range(batch))
         indices.epoch = 0
-        fetches = {"plain": lambda ix=indices: [dataset[i] for i in ix]}
+        fetches = {"plain": lambda ix=indices: [plain[i] for i in ix]}
         fetches["seeded"] = lambda ix=indices: seeded.__getitems__(ix)
         for name, fetch in fetches.items():
             start = time.perf_counter()
@@ -120,9 +146,13 @@ def per_sample_us(dataset: Dataset, batch: int, rounds: int = 20) -> tuple[float
     return statistics.median(times["plain"][1:]), statistics.median(times["seeded"][1:])
 
 
-def measure(dataset: Dataset, batch: int, workers: int, rounds: int, batches: int) -> dict:
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    plain = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers)
+def measure(
+    dataset: Dataset, batch: int, workers: int, rounds: int, batches: int, original: Dataset | None = None
+) -> dict:
+    """run.loader on ``dataset`` against a plain DataLoader on it (on ``original``, for a port)."""
+    original = dataset if original is None else original
+    sampler = DistributedSampler(original, num_replicas=1, rank=0, shuffle=True, seed=0)
+    plain = DataLoader(original, batch_size=batch, sampler=sampler, num_workers=workers)
     ours = MapSource(
         dataset, GlobalBatchSampler(len(dataset), batch, 0, 1, seed=0), None, {"num_workers": workers}
     )
@@ -151,13 +181,15 @@ def main(argv: list[str]) -> int:
         f"# ddpkit bench data: world of one, batch {ns.batch}, {ns.batches} batches a round, "
         f"{ns.rounds} rounds; ratio = run.loader's throughput / plain DataLoader's: median [90% interval]"
     )
-    for name, dataset in datasets(ns.batch * ns.batches).items():
-        plain_us, seeded_us = per_sample_us(dataset, ns.batch)
+    sets = datasets(ns.batch * ns.batches)
+    for name, dataset in sets.items():
+        original = sets.get(PORTED_FROM.get(name, ""))
+        plain_us, seeded_us = per_sample_us(dataset, ns.batch, original=original)
         row = {"plain_us_per_sample": plain_us, "seeded_us_per_sample": seeded_us}
         line = f"{name:<8} fetch {plain_us:6.1f} us/sample, seeded {seeded_us:6.1f}"
         line += f" (+{seeded_us - plain_us:.1f})"
         for workers in map(int, ns.workers.split(",")):
-            result = measure(dataset, ns.batch, workers, ns.rounds, ns.batches)
+            result = measure(dataset, ns.batch, workers, ns.rounds, ns.batches, original)
             row[f"workers_{workers}"] = result
             low, high = result["interval90"]
             line += f"   {workers} workers {result['ratio']:.3f} [{low:.3f}, {high:.3f}]"

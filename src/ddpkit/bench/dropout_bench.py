@@ -35,9 +35,9 @@ from torch import nn
 from ddpkit.bench.engine_summary import interval90
 from ddpkit.errors import OneLineParser
 from ddpkit.models import GPT, GPTConfig
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.dropout import key_dropout
-from ddpkit.run.functional_dropout import ForwardDraws
+from ddpkit.run.invariant.draws import SampleDraws
+from ddpkit.run.invariant.dropout import key_dropout
+from ddpkit.run.invariant.functional_dropout import ForwardDraws
 from ddpkit.run.micro import Micro
 
 LAYER_TARGET = 1.2  # the issue: a keyed layer at most 1.2x a dropout layer

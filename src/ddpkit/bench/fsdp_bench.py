@@ -29,7 +29,7 @@ from ddpkit.errors import OneLineParser
 from ddpkit.launch import launch
 from ddpkit.models import GPT, GPTConfig
 from ddpkit.run.config import EngineConfig
-from ddpkit.run.engine import wrap
+from ddpkit.run.engine.wrap import wrap
 
 ENGINES = ("torch", "fsdp")
 GOAL = 1.1  # the sharded part on N processes: at most GOAL / N of the full copy's bytes

@@ -132,7 +132,7 @@ def _finite_or_none(value: object) -> object:
 
 def plot_comm(records: list[dict], png: Path, title: str) -> None:
     """busbw against size, one line per operation (reducing ones with their first redop), memcpy dashed."""
-    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.metrics.plot_loss
+    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.monitor.metrics.plot_loss
     from matplotlib.ticker import FuncFormatter
 
     fig = Figure(figsize=(8, 5), dpi=100)
@@ -163,7 +163,7 @@ def plot_comm(records: list[dict], png: Path, title: str) -> None:
 
 def plot_scaling(records: list[dict], png: Path, title: str) -> None:
     """Throughput (with the ideal linear line) and efficiency against process count, per engine."""
-    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.metrics.plot_loss
+    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.monitor.metrics.plot_loss
 
     fig = Figure(figsize=(6, 7), dpi=100)
     (top, bottom) = fig.subplots(2, 1, sharex=True)

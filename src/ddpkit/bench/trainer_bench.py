@@ -34,7 +34,7 @@ from ddpkit.data.text import CharDataset
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.models.gpt import GPT, GPTConfig
 from ddpkit.run import Run
-from ddpkit.run.log_gather import device_peak, peak_memory_mb
+from ddpkit.run.monitor.log_gather import device_peak, peak_memory_mb
 from ddpkit.train import Task, Trainer
 from ddpkit.train.job import layered
 from ddpkit.train.workloads import WORKLOADS, get_workload

@@ -5,5 +5,5 @@ with ``ddpkit.Run``'s options overridden for the check: a scratch out, ``steps=K
 a step, nothing resumed (worker.py records the weights after every optimizer step). Its losses
 and weights are held against one process's, and against the noise floor: the same process count
 of one with its sums cut otherwise (another CPU thread count). What rank 0 said about the habits
-that break the same update (run/first_step.py) names the cause.
+that break the same update (run/step/first_step.py) names the cause.
 """

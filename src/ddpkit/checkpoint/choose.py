@@ -1,7 +1,7 @@
 """Which checkpoint a run continues from: the newest good one, or the one ``--resume`` names.
 
 Choosing reads manifests and sizes (``verify=False``) when the ranks then hash the chosen
-checkpoint's files together (``manifest.verify_share``, run/checkpoints.py), or every file
+checkpoint's files together (``manifest.verify_share``, run/state/checkpoints.py), or every file
 (``verify=True``, the default: one process alone, ``ddpkit inspect``).
 """
 

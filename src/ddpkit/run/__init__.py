@@ -8,7 +8,7 @@ from ddpkit.run.config import (
     OptimConfig,
     RunConfig,
 )
-from ddpkit.run.loader import Loader
+from ddpkit.run.data.loader import Loader
 from ddpkit.run.run import Run
 
 __all__ = [

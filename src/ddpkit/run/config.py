@@ -13,7 +13,7 @@ from typing import Any
 
 from ddpkit.choices import BACKENDS
 from ddpkit.errors import ConfigError
-from ddpkit.run.engine_config import EngineConfig
+from ddpkit.run.engine.config import EngineConfig
 
 NONFINITE = ("stop", "skip")
 TRACKERS = ("tensorboard", "mlflow", "wandb")

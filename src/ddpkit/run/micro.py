@@ -22,7 +22,7 @@ class Micro:
         consumed: the source's position once this step is done (samples of the epoch the world
             has taken, or a stream's steps in its pass); the cycle advances the source to it.
         offset: the place of its first sample in the step's global batch (the key of per-sample
-            draws, run/draws.py).
+            draws, run/invariant/draws.py).
     """
 
     indices: list[int]

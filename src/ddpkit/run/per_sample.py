@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ddpkit.run.gather import all_gather
+from ddpkit.run.invariant.gather import all_gather
 
 
 class PerSample:

@@ -15,16 +15,16 @@ from pathlib import Path
 from torch import nn
 
 from ddpkit.dist import DistEnv
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.dropout import key_dropout
-from ddpkit.run.engine import unwrap, wrap
-from ddpkit.run.engine_config import EngineConfig
-from ddpkit.run.functional_dropout import ForwardDraws
-from ddpkit.run.materialize import WeightsPlan
-from ddpkit.run.models import check_same_model, load_weights
-from ddpkit.run.monitor import Monitor
-from ddpkit.run.session import Session
-from ddpkit.run.sharded_state import load_model
+from ddpkit.run.engine.config import EngineConfig
+from ddpkit.run.engine.materialize import WeightsPlan
+from ddpkit.run.engine.models import check_same_model, load_weights
+from ddpkit.run.engine.wrap import unwrap, wrap
+from ddpkit.run.invariant.draws import SampleDraws
+from ddpkit.run.invariant.dropout import key_dropout
+from ddpkit.run.invariant.functional_dropout import ForwardDraws
+from ddpkit.run.monitor.monitor import Monitor
+from ddpkit.run.state.dcp_state import load_model
+from ddpkit.run.state.session import Session
 from ddpkit.run.step_state import StepState
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddpkit.dist import DistEnv
 from ddpkit.run.config import DataConfig, RunConfig
-from ddpkit.run.cycle import StepCycle
+from ddpkit.run.step.cycle import StepCycle
 
 
 class RunPosition:

@@ -1,7 +1,7 @@
 """``ddpkit.Run``: the front door for a user's own training loop.
 
 A thin facade: it builds the parts (session, monitor, optimizer gate, engine), registers what the
-user hands it under a name, and delegates each call of the loop to the step cycle (run/cycle.py),
+user hands it under a name, and delegates each call of the loop to the step cycle (run/step/cycle.py),
 which owns where the run is. Every collective (log lines, fingerprints, checkpoints) happens at a
 step boundary every rank reaches in the same order: one loop cannot make ranks disagree.
 """
@@ -24,24 +24,25 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.errors import ConfigError
 from ddpkit.launch.uncaught import install_excepthook
 from ddpkit.logs import setup_logging
-from ddpkit.run import best, notices
 from ddpkit.run.config import RunConfig, split_options
-from ddpkit.run.cycle import StepCycle
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.ema import save_final
-from ddpkit.run.engine import local_forwards, unwrap
-from ddpkit.run.evaluate import evaluate
-from ddpkit.run.held_grads import HeldGrads
-from ddpkit.run.loader import Loader, make_source
+from ddpkit.run.data.evaluate import evaluate
+from ddpkit.run.data.loader import Loader, make_source
+from ddpkit.run.engine.wrap import local_forwards, unwrap
+from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.main_first import main_first
-from ddpkit.run.monitor import Monitor
-from ddpkit.run.optim import OptimizerGate
+from ddpkit.run.monitor import notices
+from ddpkit.run.monitor.monitor import Monitor
 from ddpkit.run.per_sample import PerSample
 from ddpkit.run.placement import place_model
 from ddpkit.run.position import RunPosition
-from ddpkit.run.registry import DictState, kind_of, new_name
 from ddpkit.run.seeding import seed_everything
-from ddpkit.run.session import Session
+from ddpkit.run.state import best
+from ddpkit.run.state.ema import save_final
+from ddpkit.run.state.registry import DictState, kind_of, new_name
+from ddpkit.run.state.session import Session
+from ddpkit.run.step.cycle import StepCycle
+from ddpkit.run.step.held_grads import HeldGrads
+from ddpkit.run.step.optim import OptimizerGate
 from ddpkit.run.step_state import StepState
 
 log = logging.getLogger(__name__)
@@ -194,9 +195,9 @@ class Run(RunPosition, PerSample):
         Args:
             data: a map-style Dataset (``ddpkit.data.Shards`` for sharded files), a stream (an
                 IterableDataset, a HuggingFace streaming dataset, any iterable: see
-                ``ddpkit.run.stream``), or a DataLoader over either, whose every setting is kept
+                ``ddpkit.run.data.stream``), or a DataLoader over either, whose every setting is kept
                 (shuffle, drop_last, batch_size as the global batch when the run sets none,
-                collate_fn, workers) or refused in one line (run/from_dataloader.py).
+                collate_fn, workers) or refused in one line (run/data/from_dataloader.py).
             **dataloader_kwargs: num_workers, collate_fn, pin_memory, persistent_workers,
                 prefetch_factor, worker_init_fn, multiprocessing_context, timeout,
                 pin_memory_device, in_order (True only), generator, as for torch's DataLoader;
@@ -258,7 +259,7 @@ class Run(RunPosition, PerSample):
     def save_best(self, value: float | torch.Tensor, mode: str = "min") -> bool:
         """Write every model's weights to ``OUT/best.pt`` when ``value`` (a validation loss, or with
         ``mode="max"`` an accuracy) beats the best so far, and checkpoint this step; True if it did.
-        All ranks call it (run/best.py)."""
+        All ranks call it (run/state/best.py)."""
         models = {name: unwrap(model) for name, model in self._models.items()}
         if better := self._best.offer(value, mode, self.step, models, self.out, self.env):
             self._cycle.request_save()

@@ -1,10 +1,11 @@
 """Where one rank's run is: the step state, written by the step cycle alone and read by the rest.
 
-``StepCycle`` (run/cycle.py, run/boundary.py) owns one ``StepState`` and is the only code that
-assigns its fields (tests/test_layers.py checks that). The gated optimizers, schedulers and EMAs
-(run/optim.py, run/ema.py) and the engine wrapper (run/engine.py, run/local_engine.py) are handed
-the same object when they are made and read it when they act: no flag is pushed into them per
-step, and nothing is set on the user's model.
+``StepCycle`` (run/step/cycle.py, run/step/boundary.py) owns one ``StepState`` and is the only
+code that assigns its fields (tests/test_state_owners.py checks that). The gated optimizers,
+schedulers and EMAs (run/step/optim.py, run/state/ema.py) and the engine wrapper
+(run/engine/wrap.py, run/engine/local.py) are handed the same object when they are made and read
+it when they act: no flag is pushed into them per step, and nothing is set on the user's model.
+It is a leaf of run/, beside config.py, because the engine and state folders read it too.
 """
 
 from __future__ import annotations

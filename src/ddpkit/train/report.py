@@ -8,7 +8,7 @@ from pathlib import Path
 from ddpkit.diagnostics.stats import FIELDS, stragglers
 from ddpkit.errors import ConfigError, OneLineParser
 from ddpkit.launch.restarts import EVENTS
-from ddpkit.run.metrics import read_metrics
+from ddpkit.run.monitor.metrics import read_metrics
 from ddpkit.train.job import task_name
 
 
@@ -79,7 +79,7 @@ def rank_totals(logged: list[dict]) -> list[str]:
 
 def plot_report(records: list[dict], png: Path, title: str) -> None:
     """Loss (and eval loss) and throughput against step, one above the other."""
-    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.metrics.plot_loss
+    from matplotlib.figure import Figure  # here, not above: see ddpkit.run.monitor.metrics.plot_loss
 
     logged = [r for r in records if "loss" in r]
     fig = Figure(figsize=(7, 6), dpi=100)

@@ -17,9 +17,9 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.run import Run
-from ddpkit.run.engine import unwrap
-from ddpkit.run.metrics import read_metrics
-from ddpkit.run.sharded import is_sharded
+from ddpkit.run.engine.fsdp import is_sharded
+from ddpkit.run.engine.wrap import unwrap
+from ddpkit.run.monitor.metrics import read_metrics
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.job import task_name
 from ddpkit.train.schedule import warmup_cosine_schedule

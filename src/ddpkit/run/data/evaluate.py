@@ -24,10 +24,10 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.data.workers import check_socket_dir
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run.map_source import EpochIndices
+from ddpkit.run.data.map_source import EpochIndices
+from ddpkit.run.engine.fsdp import is_sharded, reshard
 from ddpkit.run.micro import to_device
 from ddpkit.run.seeding import SeededFetch
-from ddpkit.run.sharded import is_sharded, reshard
 
 
 @torch.no_grad()

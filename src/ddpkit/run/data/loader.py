@@ -4,7 +4,7 @@
 ``MapSource`` for a map-style dataset, a ``StreamSource`` for a stream), and the cycle drives the
 pass (``StepCycle.drive``). ``make_source`` builds that source from what the user hands
 ``run.loader`` (a dataset, a stream or a DataLoader, and DataLoader arguments), checked in one
-line each by ``run/loader_checks.py`` (a DataLoader's own settings by ``run/from_dataloader.py``).
+line each by ``run/data/loader_checks.py`` (a DataLoader's own settings by ``run/data/from_dataloader.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
 from ddpkit.dist import DistEnv
 from ddpkit.run.config import DataConfig, check_split
-from ddpkit.run.cycle import StepCycle
-from ddpkit.run.from_dataloader import batch_size_line
-from ddpkit.run.loader_checks import Parts, check_stream, is_stream, loader_parts
-from ddpkit.run.map_source import MapSource
-from ddpkit.run.stream import StreamSource
+from ddpkit.run.data.from_dataloader import batch_size_line
+from ddpkit.run.data.loader_checks import Parts, check_stream, is_stream, loader_parts
+from ddpkit.run.data.map_source import MapSource
+from ddpkit.run.data.stream import StreamSource
+from ddpkit.run.step.cycle import StepCycle
 
 log = logging.getLogger(__name__)
 

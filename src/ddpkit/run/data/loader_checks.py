@@ -1,10 +1,10 @@
 """The checks of what a user hands ``run.loader``: a dataset, a stream or a DataLoader, and
 DataLoader arguments, each refused in one line that names the value and the fix.
 
-``loader_parts`` turns them into the parts of the source ``run/loader.py`` builds: the dataset,
+``loader_parts`` turns them into the parts of the source ``run/data/loader.py`` builds: the dataset,
 the global batch, the DataLoader arguments torch would accept, whether to shuffle and whether to
 drop the last partial global batch. A DataLoader's own settings are read in
-``run/from_dataloader.py``.
+``run/data/from_dataloader.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ddpkit.data.workers import check_socket_dir
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import DataConfig
-from ddpkit.run.from_dataloader import agreed, check_generator, take_over
+from ddpkit.run.data.from_dataloader import agreed, check_generator, take_over
 
 
 def check_stream(stream: Any, weights: Any, inexact: bool) -> int | None:

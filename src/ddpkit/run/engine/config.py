@@ -39,7 +39,7 @@ class EngineConfig:
             gather them again for backward (ZeRO-3, least memory); False keeps them until backward.
         invariant_dropout: dropout-like modules (``nn.Dropout*``, ``drop_prob`` as timm's
             DropPath) draw their masks per sample from (seed, step, the sample's place in the
-            global batch): the same on any world size and micro_batch (run/dropout.py).
+            global batch): the same on any world size and micro_batch (run/invariant/dropout.py).
         dropout_batch_dim: the batch dimension of dropout's inputs (1 for ``nn.Transformer``
             without ``batch_first``).
         checkpoint_modules: the class names of the modules whose activations are not kept but

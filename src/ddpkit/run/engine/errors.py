@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.errors import DataParallelError
-from ddpkit.run.local_engine import numbered
+from ddpkit.run.engine.local import numbered
 
 # torch's DDP raises this at the forward after a backward pass in which some parameters got no
 # gradient, and numbers them (not by name unless TORCH_DISTRIBUTED_DEBUG is set).

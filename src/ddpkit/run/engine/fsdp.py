@@ -24,7 +24,7 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.sync import broadcast_coalesced
 from ddpkit.run.config import EngineConfig
-from ddpkit.run.forward_order import watch_forward_order
+from ddpkit.run.engine.forward_order import watch_forward_order
 
 # The default policy: a module gets its own fully_shard when it holds at least MIN_SHARE of the
 # model's parameters; one holding more than MAX_SHARE (a backbone wrapping everything) is looked

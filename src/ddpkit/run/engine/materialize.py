@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.run.models import key_mismatch
+from ddpkit.run.engine.models import key_mismatch
 
 Init = Callable[[nn.Module], object]
 
@@ -107,7 +107,7 @@ class WeightsPlan:
 
     def __init__(self, model, device, cfg, saved, weights, init: Init | None) -> None:
         from ddpkit.checkpoint.dcp import is_sharded_entry
-        from ddpkit.run.weights_source import WeightsSource
+        from ddpkit.run.engine.weights_source import WeightsSource
 
         self.device = torch.device("cpu") if cfg.offload else device
         self.init, self.saved = init, saved

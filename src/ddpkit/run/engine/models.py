@@ -12,7 +12,7 @@ from ddpkit.checkpoint.files import save_state_dict_atomic
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run.sharded import is_sharded
+from ddpkit.run.engine.fsdp import is_sharded
 
 
 def check_same_model(model: nn.Module, env: DistEnv) -> None:
@@ -40,7 +40,7 @@ def check_same_model(model: nn.Module, env: DistEnv) -> None:
 
 def load_weights(model: nn.Module, weights: dict, name: str, path: str | None) -> None:
     """The checkpoint's weights into ``model``, or one line saying it holds another model. A
-    sharded checkpoint's come once the model is sharded (``sharded_state.load_model``)."""
+    sharded checkpoint's come once the model is sharded (``dcp_state.load_model``)."""
     if is_sharded_entry(weights):
         return
     if (mismatch := key_mismatch(model, weights)) is not None:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ddpkit.errors import ConfigError
-from ddpkit.run.draws import SampleDraws
+from ddpkit.run.invariant.draws import SampleDraws
 
 
 def checkpoint_modules(model: nn.Module, classes: tuple[str, ...], draws: SampleDraws | None) -> int:

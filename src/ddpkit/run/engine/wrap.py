@@ -23,13 +23,13 @@ from ddpkit.parallel import DataParallel
 from ddpkit.parallel.compression import parse_powersgd
 from ddpkit.parallel.sync import broadcast_coalesced, call_module, eager
 from ddpkit.run.config import EngineConfig
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.engine_errors import trainable_error, unused_error, unused_names
-from ddpkit.run.local_engine import LocalEngine
-from ddpkit.run.materialize import has_meta
-from ddpkit.run.precision import autocast_forward
-from ddpkit.run.recompute import checkpoint_modules
-from ddpkit.run.sharded import is_sharded, set_sync, shard
+from ddpkit.run.engine.errors import trainable_error, unused_error, unused_names
+from ddpkit.run.engine.fsdp import is_sharded, set_sync, shard
+from ddpkit.run.engine.local import LocalEngine
+from ddpkit.run.engine.materialize import has_meta
+from ddpkit.run.engine.precision import autocast_forward
+from ddpkit.run.engine.recompute import checkpoint_modules
+from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.step_state import StepState
 
 
@@ -216,7 +216,7 @@ class _NativeEngine(_RunEngine, DataParallel):
 
 
 class _Local(_RunEngine, LocalEngine):
-    """A world of one: the model called directly (local_engine.py), with the engine's checks."""
+    """A world of one: the model called directly (local.py), with the engine's checks."""
 
     def _get_name(self) -> str:
         return "LocalEngine"

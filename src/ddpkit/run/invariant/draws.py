@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ddpkit.errors import ConfigError
-from ddpkit.run import keyed
+from ddpkit.run.invariant import keyed
 from ddpkit.run.micro import Micro
 
 

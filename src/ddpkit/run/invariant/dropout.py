@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.run import keyed
-from ddpkit.run.draws import SampleDraws
+from ddpkit.run.invariant import keyed
+from ddpkit.run.invariant.draws import SampleDraws
 
 CHANNELS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 ALPHA = (nn.AlphaDropout, nn.FeatureAlphaDropout)

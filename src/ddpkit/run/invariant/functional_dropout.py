@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ddpkit.run import keyed
-from ddpkit.run.draws import SampleDraws
+from ddpkit.run.invariant import keyed
+from ddpkit.run.invariant.draws import SampleDraws
 
 _DROPOUT, _ATTENTION = keyed.salt("functional", "dropout"), keyed.salt("functional", "attention")
 

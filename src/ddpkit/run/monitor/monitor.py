@@ -2,7 +2,7 @@
 
 Every rank measures where its step time goes (data, compute, waiting for the gradient
 all-reduce). At log steps all ranks gather those timings, the loss, their run.log values and
-whether a preemption signal arrived in one background collective (``ddpkit.run.log_gather``),
+whether a preemption signal arrived in one background collective (``ddpkit.run.monitor.log_gather``),
 finished at the next step's end; rank 0 then writes OUT/metrics.jsonl, sends the line to the
 trackers, moves the progress bar and names stragglers. The hang watchdog is told the phase of
 each collective-bearing part of a step.
@@ -25,9 +25,9 @@ from ddpkit.diagnostics.stats import StepClock, Window, rank_table, stragglers
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import DiagnosticsConfig
-from ddpkit.run.log_gather import LogGather, device_peak, gather_means
-from ddpkit.run.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
-from ddpkit.run.trackers import Trackers, check_installed, run_params
+from ddpkit.run.monitor.log_gather import LogGather, device_peak, gather_means
+from ddpkit.run.monitor.metrics import MetricsLog, plot_loss, read_metrics, truncate_after
+from ddpkit.run.monitor.trackers import Trackers, check_installed, run_params
 
 log = logging.getLogger(__name__)
 

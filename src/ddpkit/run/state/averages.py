@@ -1,6 +1,6 @@
 """The averaged weights of another library's EMA, for ``run.finish()`` to write as ``OUT/NAME.pt``.
 
-``ddpkit.EMA`` writes its average at ``run.finish()`` (run/ema.py); a tracked average of another
+``ddpkit.EMA`` writes its average at ``run.finish()`` (run/state/ema.py); a tracked average of another
 library gets the same file, the model's state dict with the averaged weights:
 
 - torch's ``AveragedModel`` and timm's ``ModelEmaV2``/``ModelEmaV3`` hold the average as a module
@@ -24,8 +24,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from ddpkit.dist import DistEnv
-from ddpkit.run.engine import unwrap
-from ddpkit.run.sharded import reshard
+from ddpkit.run.engine.fsdp import reshard
+from ddpkit.run.engine.wrap import unwrap
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run.models import save_weights
-from ddpkit.run.registry import DictState
+from ddpkit.run.engine.models import save_weights
+from ddpkit.run.state.registry import DictState
 
 NAME = "ddpkit_best"  # the checkpoint part holding the best value and step (optional in old checkpoints)
 

@@ -6,7 +6,7 @@ A checkpoint is ``{"step", "world_size", "rng": [one dict per rank], "state": {n
 / ``load_state_dict()``; ``frozen`` holds each module's parameters without ``requires_grad``
 (a backbone unfrozen at epoch 1 is trainable in a run resumed at epoch 2, whose loop never runs
 that line again). Rank 0 writes it atomically with a manifest of digests (``checkpoint/store.py``);
-every rank loads the same one, chosen by ``run/resume.py``.
+every rank loads the same one, chosen by ``run/state/resume.py``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from ddpkit.checkpoint.store import begin_save, commit_save
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run import notices
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.engine import unwrap
-from ddpkit.run.sharded_state import restore_parts, sharded_parts, spreads
+from ddpkit.run.engine.wrap import unwrap
+from ddpkit.run.monitor import notices
+from ddpkit.run.state.dcp_state import restore_parts, sharded_parts, spreads
 
-OPTIONAL = "ddpkit_best"  # run.save_best's part (run/best.py), which checkpoints before it lack
+OPTIONAL = "ddpkit_best"  # run.save_best's part (run/state/best.py), which checkpoints before it lack
 
 
 def check_names(path: str, saved: dict, registered: list[str]) -> None:

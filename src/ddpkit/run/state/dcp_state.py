@@ -18,9 +18,9 @@ from torch import nn
 
 from ddpkit.checkpoint.dcp import is_sharded_entry, load_sharded, saved_keys
 from ddpkit.errors import ConfigError
-from ddpkit.run.ema import EMA
-from ddpkit.run.optim import ungated
-from ddpkit.run.sharded import is_sharded, reshard
+from ddpkit.run.engine.fsdp import is_sharded, reshard
+from ddpkit.run.state.ema import EMA
+from ddpkit.run.step.optim import ungated
 
 
 class ModelState:

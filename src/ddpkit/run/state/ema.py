@@ -24,7 +24,7 @@ Use it as::
 ``OUT/ema.pt`` (``OUT/NAME.pt`` for ``run.track(NAME=ema)``) is the model's state dict with the
 averaged weights and the model's own buffers, loadable into a fresh model as ``model.pt`` is;
 the averages of other libraries (diffusers' ``EMAModel``, timm's ``ModelEmaV3``, torch's
-``AveragedModel``) get the same file (run/averages.py).
+``AveragedModel``) get the same file (run/state/averages.py).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from torch import nn
 
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run.averages import library_average
-from ddpkit.run.engine import unwrap
-from ddpkit.run.models import save_weights
-from ddpkit.run.sharded import is_sharded, reshard
+from ddpkit.run.engine.fsdp import is_sharded, reshard
+from ddpkit.run.engine.models import save_weights
+from ddpkit.run.engine.wrap import unwrap
+from ddpkit.run.state.averages import library_average
 from ddpkit.run.step_state import StepState
 
 
@@ -230,7 +230,7 @@ def _warmup_decay(
 
 def save_final(models: dict[str, nn.Module], objects: dict[str, Any], out: Path | None, env: DistEnv) -> None:
     """At ``run.finish()``: ``OUT/NAME.pt`` for every model, then for every tracked average (a
-    ``ddpkit.EMA``, or another library's: run/averages.py) the model's state dict with the averaged
+    ``ddpkit.EMA``, or another library's: run/state/averages.py) the model's state dict with the averaged
     weights. All ranks call it: on fsdp each is gathered from the shards."""
     if out is None:
         return

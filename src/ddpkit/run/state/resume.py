@@ -3,7 +3,7 @@
 Rank 0 chooses (``checkpoint/choose.py``), every rank checks a share of the choice's files, and
 they fall back together; a fresh start refuses a folder that holds an earlier run, and a command
 that cannot train a finished run further has nothing to do (``finished_here``). What a checkpoint
-holds, and how it is saved and restored, is ``run/checkpoints.py``'s.
+holds, and how it is saved and restored, is ``run/state/checkpoints.py``'s.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ddpkit.checkpoint.lock import OutLock
 from ddpkit.checkpoint.manifest import verify_share
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run import checkpoints
 from ddpkit.run.config import CheckpointConfig
+from ddpkit.run.state import checkpoints
 
 log = logging.getLogger(__name__)
 

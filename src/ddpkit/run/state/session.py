@@ -13,8 +13,8 @@ from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import DistEnv, current_env, destroy, init_distributed
 from ddpkit.dist.init import DEFAULT_TIMEOUT, set_collective_timeout
 from ddpkit.launch.restarts import EVENTS, note_out
-from ddpkit.run import resume
 from ddpkit.run.config import CheckpointConfig, DiagnosticsConfig
+from ddpkit.run.state import resume
 
 
 class Session:

@@ -1,6 +1,6 @@
 """The step cycle's boundaries: closing a step, and what follows it before the next one opens.
 
-``StepCycle`` (run/cycle.py) drives the loop, micro-batch by micro-batch; these methods are the
+``StepCycle`` (run/step/cycle.py) drives the loop, micro-batch by micro-batch; these methods are the
 rest of it, on the same object: a step closes after its last micro-batch (its position, its
 timing), and its boundary (the log line, the replica check, the checkpoint, the preemption
 agreement: collectives every rank reaches at the same point) runs when the next step opens or
@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from ddpkit.errors import ConfigError
-from ddpkit.run import checkpoints, resume
-from ddpkit.run.preempt import exit_preempted
+from ddpkit.run.state import checkpoints, resume
+from ddpkit.run.step.preempt import exit_preempted
 
 log = logging.getLogger(__name__)
 

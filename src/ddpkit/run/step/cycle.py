@@ -32,20 +32,21 @@ from torch import nn
 
 from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.errors import ConfigError
-from ddpkit.run import checkpoints, notices
-from ddpkit.run.boundary import StepBoundaries
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.engine import set_grad_sync
-from ddpkit.run.first_step import FirstStep
-from ddpkit.run.forward_order import agree_before_backward
-from ddpkit.run.losses import StepLosses, check_differentiable
+from ddpkit.run.engine.forward_order import agree_before_backward
+from ddpkit.run.engine.wrap import set_grad_sync
+from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.micro import Micro, to_device, tokens_in
-from ddpkit.run.monitor import Monitor
-from ddpkit.run.optim import OptimizerGate
-from ddpkit.run.preempt import Preemption
-from ddpkit.run.replicas import ReplicaCheck
-from ddpkit.run.session import Session
+from ddpkit.run.monitor import notices
+from ddpkit.run.monitor.monitor import Monitor
+from ddpkit.run.state import checkpoints
+from ddpkit.run.state.session import Session
+from ddpkit.run.step.boundary import StepBoundaries
+from ddpkit.run.step.first_step import FirstStep
+from ddpkit.run.step.losses import StepLosses, check_differentiable
+from ddpkit.run.step.optim import OptimizerGate
+from ddpkit.run.step.preempt import Preemption
+from ddpkit.run.step.replicas import ReplicaCheck
 
 
 class StepCycle(StepBoundaries):

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ddpkit.dist import DistEnv
-from ddpkit.run.draws import SampleDraws
-from ddpkit.run.engine import unwrap
+from ddpkit.run.engine.wrap import unwrap
+from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.micro import Micro
 
 log = logging.getLogger(__name__)

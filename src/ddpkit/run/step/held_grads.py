@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ddpkit.run.engine import unwrap
+from ddpkit.run.engine.wrap import unwrap
 
 
 class HeldGrads:

@@ -27,7 +27,7 @@ from torch import nn
 
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
-from ddpkit.run.engine import unwrap
+from ddpkit.run.engine.wrap import unwrap
 from ddpkit.run.micro import Micro
 
 REDUCTIONS = ("mean", "sum")

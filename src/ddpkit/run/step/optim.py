@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.run.averages import holds_module, shadow_tensors
 from ddpkit.run.config import OptimConfig
-from ddpkit.run.ema import EMA
-from ddpkit.run.held_grads import HeldGrads
-from ddpkit.run.norms import NormWatch, optimizer_params, total_norm
+from ddpkit.run.state.averages import holds_module, shadow_tensors
+from ddpkit.run.state.ema import EMA
+from ddpkit.run.step.held_grads import HeldGrads
+from ddpkit.run.step.norms import NormWatch, optimizer_params, total_norm
 from ddpkit.run.step_state import StepState
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class OptimizerGate:
         cfg: clipping and non-finite gradients.
         scaler: the fp16 GradScaler (disabled otherwise).
         state: the run's step state.
-        held: the step's held gradients (run/held_grads.py): gated steps and zero_grads tell it.
+        held: the step's held gradients (run/step/held_grads.py): gated steps and zero_grads tell it.
     """
 
     def __init__(

@@ -10,7 +10,7 @@ from torch import nn
 
 from ddpkit.diagnostics.fingerprint import check_rows, fingerprint
 from ddpkit.dist import DistEnv
-from ddpkit.run.engine import unwrap
+from ddpkit.run.engine.wrap import unwrap
 
 
 class ReplicaCheck:
