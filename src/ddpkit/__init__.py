@@ -7,7 +7,7 @@ from ddpkit.parallel import DataParallel
 from ddpkit.run import Run
 from ddpkit.run.engine.materialize import empty_init
 from ddpkit.run.engine.wrap import unwrap
-from ddpkit.run.sample_rng import sample_rng
+from ddpkit.run.invariant.sample_rng import sample_rng
 from ddpkit.run.state.ema import EMA, ema_warmup
 from ddpkit.train.task import Task
 from ddpkit.version import __version__

@@ -8,7 +8,7 @@ import math
 
 from ddpkit.bench.data_bench import datasets, main
 from ddpkit.run.data.map_source import EpochIndices
-from ddpkit.run.seeding import SeededFetch
+from ddpkit.run.invariant.seeding import SeededFetch
 
 
 def test_tiny_run_reports_finite_positive_ratios(tmp_path, capsys):

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 import ddpkit
 from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
 from ddpkit.run.data.map_source import EpochIndices
-from ddpkit.run.seeding import SeededFetch
+from ddpkit.run.invariant.seeding import SeededFetch
 from ddpkit.run.state import checkpoints
 
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 import ddpkit
 from ddpkit.run.data.map_source import EpochIndices
-from ddpkit.run.seeding import SeededFetch
+from ddpkit.run.invariant.seeding import SeededFetch
 
 
 class Jitter(Dataset):

@@ -1,5 +1,5 @@
-"""Per-sample seeding through the libraries' public APIs (run/seeding.py) and its fast path,
-``ddpkit.sample_rng()`` (run/sample_rng.py): the same draws whatever batch, worker or thread
+"""Per-sample seeding through the libraries' public APIs (run/invariant/seeding.py) and its fast path,
+``ddpkit.sample_rng()`` (run/invariant/sample_rng.py): the same draws whatever batch, worker or thread
 fetches a sample, and the training process's generators left exactly as they were."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 import ddpkit
 from ddpkit.run.data.map_source import EpochIndices
-from ddpkit.run.sample_rng import SampleRng, pcg64_seeder
-from ddpkit.run.seeding import SeededFetch, declared_draws
+from ddpkit.run.invariant.sample_rng import SampleRng, pcg64_seeder
+from ddpkit.run.invariant.seeding import SeededFetch, declared_draws
 
 
 def _indices(values: list[int], epoch: int = 0) -> EpochIndices:

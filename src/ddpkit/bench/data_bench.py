@@ -1,7 +1,7 @@
 """`ddpkit bench data`: what run.loader's per-sample seeding costs over a plain DataLoader, in one run.
 
 A single-device script's dataset draws its augmentation from some generator; run.loader seeds
-every generator the dataset draws from before each sample (``run/seeding.py``), so that a
+every generator the dataset draws from before each sample (``run/invariant/seeding.py``), so that a
 sample draws the same on any number of processes and after a resume. This benchmark prices that
 in a world of one, on three datasets of 32x32 images:
 
@@ -39,7 +39,7 @@ from ddpkit.bench.engine_summary import interval90
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.errors import OneLineParser
 from ddpkit.run.data.map_source import EpochIndices, MapSource
-from ddpkit.run.seeding import SeededFetch
+from ddpkit.run.invariant.seeding import SeededFetch
 
 _MEAN, _STD = torch.tensor([0.49, 0.48, 0.45]).view(3, 1, 1), torch.tensor([0.25, 0.24, 0.26]).view(3, 1, 1)
 

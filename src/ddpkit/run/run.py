@@ -29,13 +29,13 @@ from ddpkit.run.data.evaluate import evaluate
 from ddpkit.run.data.loader import Loader, make_source
 from ddpkit.run.engine.wrap import local_forwards, unwrap
 from ddpkit.run.invariant.draws import SampleDraws
+from ddpkit.run.invariant.seeding import seed_everything
 from ddpkit.run.main_first import main_first
 from ddpkit.run.monitor import notices
 from ddpkit.run.monitor.monitor import Monitor
 from ddpkit.run.per_sample import PerSample
 from ddpkit.run.placement import place_model
 from ddpkit.run.position import RunPosition
-from ddpkit.run.seeding import seed_everything
 from ddpkit.run.state import best
 from ddpkit.run.state.ema import save_final
 from ddpkit.run.state.registry import DictState, kind_of, new_name

@@ -26,8 +26,8 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.run.data.map_source import EpochIndices
 from ddpkit.run.engine.fsdp import is_sharded, reshard
+from ddpkit.run.invariant.seeding import SeededFetch
 from ddpkit.run.micro import to_device
-from ddpkit.run.seeding import SeededFetch
 
 
 @torch.no_grad()
@@ -55,7 +55,7 @@ def evaluate(
         reduce: ``mean`` (over all samples) or ``sum`` (of the per-sample values).
         collate_fn: as for torch's DataLoader.
         num_workers: as for torch's DataLoader.
-        seed: seed a dataset's random draws per sample (run/seeding.py), from (seed, the sample)
+        seed: seed a dataset's random draws per sample (run/invariant/seeding.py), from (seed, the sample)
             alone: every evaluation, world size and resume draws the same noise or crops.
     """
     if reduce not in ("mean", "sum"):

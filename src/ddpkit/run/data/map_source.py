@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.run.config import check_same_global_batch
+from ddpkit.run.invariant.seeding import SeededFetch
 from ddpkit.run.micro import Micro
-from ddpkit.run.seeding import SeededFetch
 
 
 def plan_epoch(sampler: GlobalBatchSampler, micro_batch: int | None) -> list[Micro]:

@@ -7,7 +7,7 @@ micro-batch, so the draws would too. ``SeededFetch`` seeds each generator the da
 (python's, numpy's, torch's CPU one, its own) from (run seed, epoch, sample index) before each
 sample instead, through each library's public seeding and state accessors.
 
-``ddpkit.sample_rng()`` (``run/sample_rng.py``) is the fast path: generators of the sample's own,
+``ddpkit.sample_rng()`` (``run/invariant/sample_rng.py``) is the fast path: generators of the sample's own,
 which a dataset draws from explicitly, so that nothing global need be watched or put back.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, StackDataset, Subset, TensorDataset, get_worker_info
 
 from ddpkit.errors import ConfigError
-from ddpkit.run.sample_rng import fetching, pcg64_seeder, sample_seed
+from ddpkit.run.invariant.sample_rng import fetching, pcg64_seeder, sample_seed
 
 
 def seed_everything(seed: int) -> None:

@@ -4,7 +4,7 @@ epoch, sample index) alone.
 A dataset that draws its augmentation from them, instead of from the global generators, draws
 the same for a sample at any world size, micro-batch or worker count, and after a resume; and,
 if its class says so (``draws_random = "sample_rng"``), run.loader neither watches, saves nor
-puts back any other generator for it (``run/seeding.py``). Each generator is seeded on its first
+puts back any other generator for it (``run/invariant/seeding.py``). Each generator is seeded on its first
 use in a sample only, so a sample that draws from numpy alone pays for numpy's seed alone.
 
 The sample being fetched is found through a ``ContextVar``: ``__getitem__`` takes no extra
