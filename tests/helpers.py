@@ -1,10 +1,11 @@
-"""Helpers shared by the tests: run a function on N gloo ranks, list leftover processes, run a
-script under ``ddpkit run`` and read its metrics."""
+"""Helpers shared by the tests: run a function on N gloo ranks, list leftover processes, run
+scripts under ``ddpkit run`` (one, or several at once) and read their metrics."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -90,6 +91,33 @@ def ddpkit_run(
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done
+
+
+def ddpkit_runs_at_once(
+    root: Path, runs: dict[str, list[str]], env: dict | None = None, timeout: float = 240
+) -> dict[str, int]:
+    """``ddpkit run --standalone ARGS`` for every ``name: ARGS`` at once (on 2 cores side by side
+    beats one after the other), each one's output in ROOT/NAME.log; their exit codes. Each runs in
+    a session of its own, so one that hangs is killed with its workers, by process group."""
+    started = {}
+    try:
+        for name, args in runs.items():
+            with open(root / f"{name}.log", "w") as log:
+                started[name] = subprocess.Popen(
+                    [sys.executable, "-m", "ddpkit", "run", "--standalone", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+        for proc in started.values():
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {name: proc.returncode for name, proc in started.items()}
 
 
 def metric_lines(out: Path) -> list[dict]:

@@ -12,15 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import UNet2DModel
-from helpers import logged_losses
+from helpers import ddpkit_runs_at_once, logged_losses
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -30,29 +27,14 @@ STEPS, KILL = 12, 7  # killed at the end of step 7 (epoch 1's second step): step
 
 
 def _launch_all(root: Path, runs: dict[str, tuple[int, Path, tuple[str, ...]]]) -> dict[str, int]:
-    """``ddpkit run --standalone --nproc N SCRIPT --out OUT --steps STEPS EXTRA`` for every
-    ``name: (N, OUT, EXTRA)`` at once; each one's exit code (its output in ROOT/NAME.log)."""
+    """``ddpkit run --nproc N SCRIPT --out OUT --steps STEPS EXTRA`` for every ``name: (N, OUT,
+    EXTRA)`` at once; each one's exit code (its output in ROOT/NAME.log)."""
     env = os.environ | {"HF_HUB_OFFLINE": "1", "DIFFUSERS_VERBOSITY": "error"}
-    started = {}
-    try:
-        for name, (nproc, out, extra) in runs.items():
-            command = [
-                sys.executable, "-m", "ddpkit", "run", "--standalone", "--nproc", str(nproc), str(SCRIPT),
-                "--out", str(out), "--steps", str(STEPS), *extra,
-            ]  # fmt: skip
-            with open(root / f"{name}.log", "w") as log:
-                # Its own session: a run that hangs is killed with its workers, by process group.
-                started[name] = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-        for proc in started.values():
-            proc.wait(timeout=240)
-    finally:
-        for proc in started.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return {name: proc.returncode for name, proc in started.items()}
+    commands = {
+        name: ["--nproc", str(nproc), str(SCRIPT), "--out", str(out), "--steps", str(STEPS), *extra]
+        for name, (nproc, out, extra) in runs.items()
+    }
+    return ddpkit_runs_at_once(root, commands, env)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import ddpkit_runs_at_once
 
 pytestmark = pytest.mark.slow
 
@@ -36,29 +34,34 @@ RUNS = {
 def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     root = tmp_path_factory.mktemp("hf_dropout")
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    started = {}
-    try:
-        for name, (nproc, micro, keyed) in RUNS.items():
-            command = [
-                sys.executable, "-m", "ddpkit", "run", "--standalone", "--nproc", str(nproc), str(SCRIPT),
-                "--out", str(root / name), "--steps", str(STEPS), "--global-batch", "12",
-                "--micro-batch", str(micro), "--dropout", "0.1", "--lr", "1e-2", "--warmup", "1",
-            ] + (["--invariant-dropout"] if keyed else [])  # fmt: skip
-            with open(root / f"{name}.log", "w") as log:
-                started[name] = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-        for proc in started.values():
-            proc.wait(timeout=240)
-    finally:
-        for proc in started.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    commands = {
+        name: [
+            "--nproc",
+            str(nproc),
+            str(SCRIPT),
+            "--out",
+            str(root / name),
+            "--steps",
+            str(STEPS),
+            "--global-batch",
+            "12",
+            "--micro-batch",
+            str(micro),
+            "--dropout",
+            "0.1",
+            "--lr",
+            "1e-2",
+            "--warmup",
+            "1",
+            *(["--invariant-dropout"] if keyed else []),
+        ]  # fmt: skip
+        for name, (nproc, micro, keyed) in RUNS.items()
+    }
+    codes = ddpkit_runs_at_once(root, commands, env)
     found = {}
-    for name, proc in started.items():
+    for name, code in codes.items():
         output = (root / f"{name}.log").read_text()
-        assert proc.returncode == 0, f"{name} failed (exit {proc.returncode}):\n{output[-4000:]}"
+        assert code == 0, f"{name} failed (exit {code}):\n{output[-4000:]}"
         found[name] = (root / name, output)
     return found
 

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import peft
 import pytest
 import torch
-from helpers import logged_losses
+from helpers import ddpkit_runs_at_once, logged_losses
 from peft_script import SEQUENCES, CountingSequences, build_base, build_model
 from safetensors.torch import load_file
 
@@ -40,29 +37,13 @@ STEPS, KILL = 12, 9  # 2 epochs of 6 steps; killed at the end of step 9: step 8'
 
 
 def _launch_all(root: Path, runs: dict[str, tuple[Path, tuple[str, ...]]]) -> dict[str, int]:
-    """``ddpkit run --standalone --nproc 2 SCRIPT --out OUT EXTRA`` for every ``name: (OUT, EXTRA)``
-    at once; each one's exit code (its output in ROOT/NAME.log)."""
+    """``ddpkit run --nproc 2 SCRIPT --out OUT EXTRA`` for every ``name: (OUT, EXTRA)`` at once;
+    each one's exit code (its output in ROOT/NAME.log)."""
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    started = {}
-    try:
-        for name, (out, extra) in runs.items():
-            command = [
-                sys.executable, "-m", "ddpkit", "run", "--standalone", "--nproc", "2", str(SCRIPT),
-                "--out", str(out), *extra,
-            ]  # fmt: skip
-            with open(root / f"{name}.log", "w") as log:
-                # Its own session: a run that hangs is killed with its workers, by process group.
-                started[name] = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-        for proc in started.values():
-            proc.wait(timeout=240)
-    finally:
-        for proc in started.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return {name: proc.returncode for name, proc in started.items()}
+    commands = {
+        name: ["--nproc", "2", str(SCRIPT), "--out", str(out), *extra] for name, (out, extra) in runs.items()
+    }
+    return ddpkit_runs_at_once(root, commands, env)
 
 
 @pytest.fixture(scope="module")
