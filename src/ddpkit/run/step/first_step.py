@@ -87,7 +87,7 @@ class FirstStep:
         drawn = [name for name, state in global_states().items() if not _same(state, self._states[name])]
         seen = []
         for forward in self.draws.forwards:
-            forward.observing = False
+            forward.done_observing()
             seen += [(forward.model_name, *s) for s in forward.seen]
         if self.env.is_rank0:
             self._report(seen, drawn, micro, global_batch)
