@@ -6,7 +6,9 @@ gives the user's optimizer and scheduler objects (the same objects, so every ref
 holds is affected) a subclass whose ``step`` only acts on a step's last micro-batch and whose
 ``zero_grad`` only acts at a step boundary; on that last micro-batch, ``step`` first checks the
 gradient norm (identical on every rank, since gradients are all-reduced) and clips it if asked.
-Lightning Fabric swaps ``__class__`` the same way; Accelerate wraps the optimizer instead.
+Lightning Fabric and Accelerate leave the user's optimizer's class alone and hand back a wrapper
+instead (Fabric's ``_FabricOptimizer`` gives the wrapper, not the optimizer, a ``__class__`` that
+subclasses the optimizer's, so ``isinstance`` checks pass).
 """
 
 from __future__ import annotations
