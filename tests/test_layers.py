@@ -281,14 +281,13 @@ def test_no_file_turns_the_formatter_off():
 
 # run/'s folders from leaf to top: a module of one may import a module of an earlier folder, never
 # of a later one. The modules at run/'s top level are outside the order: the front door (run.py,
-# position.py, per_sample.py, placement.py) imports them all, and the leaves beside it
+# parts.py, placement.py) imports them all, and the leaves beside it
 # (config.py, micro.py, step_state.py) are read by every folder.
 RUN_FOLDERS = ("invariant", "monitor", "engine", "state", "step", "data")
 FRONT_DOOR = (
     "ddpkit.run",
     "ddpkit.run.run",
-    "ddpkit.run.position",
-    "ddpkit.run.per_sample",
+    "ddpkit.run.parts",
     "ddpkit.run.placement",
 )
 UPWARD_ALLOWED = {

@@ -18,7 +18,7 @@ from test_layers import Module, fake, read_modules
 from ddpkit.run.step_state import StepState
 
 OURS = re.compile(r"^_?ddpkit_\w+$")  # the attributes ddpkit sets on objects that are not its own
-STEP_STATE_WRITERS = {"run/step/cycle.py", "run/step/boundary.py"}  # StepCycle, split in two files
+STEP_STATE_WRITERS = {"run/step/cycle.py"}  # StepCycle
 
 
 def attribute_uses(module: Module) -> Iterator[tuple[str, str, int]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -23,32 +22,21 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.errors import ConfigError
 from ddpkit.launch.uncaught import install_excepthook
-from ddpkit.logs import setup_logging
-from ddpkit.run.config import RunConfig, split_options
 from ddpkit.run.data.evaluate import evaluate
 from ddpkit.run.data.loader import Loader, make_source
 from ddpkit.run.engine.wrap import local_forwards, unwrap
-from ddpkit.run.invariant.draws import SampleDraws
-from ddpkit.run.invariant.seeding import seed_everything
+from ddpkit.run.invariant.gather import all_gather
 from ddpkit.run.main_first import main_first
 from ddpkit.run.monitor import notices
-from ddpkit.run.monitor.monitor import Monitor
-from ddpkit.run.per_sample import PerSample
+from ddpkit.run.parts import build_parts
 from ddpkit.run.placement import place_model
-from ddpkit.run.position import RunPosition
-from ddpkit.run.state import best
 from ddpkit.run.state.ema import save_final
 from ddpkit.run.state.registry import DictState, kind_of, new_name
-from ddpkit.run.state.session import Session
-from ddpkit.run.step.cycle import StepCycle
-from ddpkit.run.step.held_grads import HeldGrads
-from ddpkit.run.step.optim import OptimizerGate
-from ddpkit.run.step_state import StepState
 
 log = logging.getLogger(__name__)
 
 
-class Run(RunPosition, PerSample):
+class Run:
     """One training run, seen from one process: process group, engine, data, checkpoints, diagnostics.
 
     Reads what the launcher set (torchrun, ``ddpkit run``, SLURM, ``ddpkit.launch``, or nothing:
@@ -90,53 +78,15 @@ class Run(RunPosition, PerSample):
         **options: Any,
     ) -> None:
         install_excepthook()  # an uncaught ConfigError, from here on: one line and exit code 2
-        self._data_cfg, self._engine_cfg, self._ckpt_cfg, self._optim_cfg, self._diag_cfg = split_options(
-            options
-        )
-        self._cfg = RunConfig(str(out) if out is not None else None, seed, backend, steps)
-        if out is None and self._ckpt_cfg.save_every:
-            raise ConfigError(f"save_every={self._ckpt_cfg.save_every} needs out=FOLDER for its checkpoints")
+        parts = build_parts(out, seed, backend, steps, options)
+        self._cfg, self._data_cfg, self._engine_cfg = parts.cfg, parts.data_cfg, parts.engine_cfg
+        self._session, self._monitor, self._cycle = parts.session, parts.monitor, parts.cycle
+        self._draws, self._scaler, self._best = parts.draws, parts.scaler, parts.best
+        self._models, self._objects = parts.models, parts.objects
+        self._train_loader: Loader | None = None
         self.out, self.seed = (Path(out) if out is not None else None), seed
-        self._session = Session(backend, self._diag_cfg)
         self.env = self._session.env
         self.device = self.env.device
-        setup_logging(self.env)
-        seed_everything(seed)
-        self._models: dict[str, nn.Module] = {}  # name -> the wrapped model the user calls
-        self._objects: dict[str, Any] = {}  # name -> what a checkpoint holds (bare models too)
-        self._train_loader: Loader | None = None
-        self._best = self._objects[best.NAME] = best.BestKeeper()  # run.save_best's value, checkpointed
-        self._scaler = torch.amp.GradScaler(self.device.type, enabled=self._engine_cfg.precision == "fp16")
-        if self._scaler.is_enabled():  # its scale and growth tracker resume with the run
-            self._objects["grad_scaler"] = self._scaler
-        gate = OptimizerGate(self._optim_cfg, self._scaler, StepState(), HeldGrads(self._models))
-        try:
-            self._session.open(self.out, self._ckpt_cfg, steps)
-            configs = (
-                self._cfg,
-                self._data_cfg,
-                self._engine_cfg,
-                self._ckpt_cfg,
-                self._optim_cfg,
-                self._diag_cfg,
-            )
-            params = {k: v for cfg in configs for k, v in dataclasses.asdict(cfg).items()}  # for trackers
-            self._monitor = Monitor(self.env, self._diag_cfg, self.out, params)
-        except BaseException:
-            self._session.leave()  # the folder's lock and the process group, so nothing is left behind
-            raise
-        self._draws = SampleDraws(seed, self.device, eager=self._engine_cfg.invariant_dropout)
-        self._cycle = StepCycle(
-            self._session,
-            self._monitor,
-            gate,
-            self._objects,
-            self._models,
-            self.out,
-            self._ckpt_cfg,
-            steps,
-            self._draws,
-        )
         atexit.register(self._finish_at_exit)
 
     # --- registration -----------------------------------------------------------------------
@@ -276,6 +226,95 @@ class Run(RunPosition, PerSample):
         """A block rank 0 runs first (``local=True``: each machine's local rank 0), then the others,
         which find its cache (a ``datasets.map``, a download). Every rank enters it (main_first.py)."""
         return main_first(self.env, lambda name: self._monitor.phase(self._cycle.step, name), local)
+
+    # --- per sample ---------------------------------------------------------------------------
+
+    def rand_like(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.rand_like(x)`` drawn per sample: row i (dim 0) from (seed, step, sample i's place
+        in the global batch), the same on any world size, micro_batch and after a resume."""
+        return self._draws.rand_like(x)
+
+    def randn_like(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.randn_like(x)`` drawn per sample, as ``rand_like`` (a diffusion step's noise)."""
+        return self._draws.randn_like(x)
+
+    def randint(self, low: int, high: int | None = None, *, like: torch.Tensor) -> torch.Tensor:
+        """One integer in [low, high) (or [0, low)) per sample of ``like`` (dim 0), drawn per sample
+        as ``rand_like``: a diffusion step's timesteps, ``run.randint(T, like=x)``."""
+        low, high = (0, low) if high is None else (low, high)
+        return self._draws.randint(low, high, like)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (dim 0: its samples) in global-batch order, differentiable: an
+        in-batch-negatives loss (InfoNCE, CLIP) over the gathered batch is one process's. Exact
+        when each rank's share is one micro-batch; refused in one line under a smaller micro_batch."""
+        self._cycle.first_step.note_gather()
+        return all_gather(x, self._cycle.micro, self.env)
+
+    # --- who and where this process is ---------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank, 0 to ``world_size - 1``."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (its GPU's index when there are GPUs)."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes in the run."""
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the one that writes files and logs. Calls that every rank must
+        make (``save``, ``evaluate``, ``finish``) do not belong under ``if run.is_main``."""
+        return self.env.is_rank0
+
+    @property
+    def steps(self) -> int | None:
+        """The run's step budget (``steps=``), None when the loop's epochs decide."""
+        return self._cfg.steps
+
+    @property
+    def micro_batch(self) -> int | None:
+        """Samples per micro-batch on each rank (``micro_batch=``), None: each rank's whole share
+        of a step in one."""
+        return self._data_cfg.micro_batch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps begun (inside the loop, the running one counts); a resume starts at its own."""
+        return self._cycle.step
+
+    @property
+    def batch_offset(self) -> int:
+        """The place of this micro-batch's first sample in the step's global batch: its row in
+        ``run.all_gather``'s result (an InfoNCE's labels are ``run.batch_offset + arange(len(x))``)."""
+        micro = self._cycle.micro
+        return micro.offset if micro is not None else 0
+
+    @property
+    def at_step_end(self) -> bool:
+        """True after a step's last micro-batch came out of the loader: the step is complete once
+        the optimizer steps, and a collective here (``run.evaluate``) is reached by every rank."""
+        return self._cycle.at_step_end
+
+    @property
+    def loss(self) -> float | None:
+        """The loss of the last metrics line: the mean over every rank and micro-batch of its
+        steps (what ``metrics.jsonl`` says, the same on any world size). Its gather finishes
+        without a wait, so in the loop it is the line of two steps before (None until then);
+        after ``finish``, the last line's. ``loss.item()`` is this rank's micro-batch alone."""
+        return self._cycle.monitor.last_loss
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only, flushed unless ``flush=False`` says otherwise."""
+        if self.env.is_rank0:
+            print(*args, **{"flush": True, **kwargs})
 
     # --- the end -------------------------------------------------------------------------------
 

@@ -167,6 +167,15 @@ class Monitor:
     def add_user(self, name: str, value: float | Tensor, weight: float, reduce: str, step: int) -> None:
         """A run.log value, weighted by the samples behind it: for the window's line, or (``step``
         -1: between steps) for a line of its own. See ``gather_means``."""
+        if reduce not in ("mean", "sum"):
+            raise ConfigError(
+                f"run.log(reduce={reduce!r}): use 'mean' (weighted by samples) or 'sum' (counts)"
+            )
+        if not isinstance(value, int | float | Tensor) or isinstance(value, bool):
+            raise ConfigError(
+                f"run.log({name}={value!r}): a metric is a number or a one-element tensor; log "
+                "text with run.print"
+            )
         entry = (self.between if step < 0 else self.user).setdefault(name, [0.0, 0.0, reduce, set()])
         if entry[2] != reduce:
             raise ConfigError(

@@ -1,95 +1,123 @@
-"""The step cycle's boundaries: closing a step, and what follows it before the next one opens.
+"""What runs between two steps: the closed step's log line, replica check, checkpoint and the
+preemption agreement, collectives every rank reaches at the same point.
 
-``StepCycle`` (run/step/cycle.py) drives the loop, micro-batch by micro-batch; these methods are the
-rest of it, on the same object: a step closes after its last micro-batch (its position, its
-timing), and its boundary (the log line, the replica check, the checkpoint, the preemption
-agreement: collectives every rank reaches at the same point) runs when the next step opens or
-the run finishes. Split from cycle.py by what they do; they share the cycle's state.
+``StepCycle`` (cycle.py) closes a step after its last micro-batch and hands it here when the next
+step opens or the run finishes (``settle``), so an epoch's checkpoint holds what the loop did
+after the epoch. ``Boundary`` is a plain object the cycle owns: it is given the parts it calls
+(the monitor, the optimizer gate, the replica check, the preemption handler) when it is made, and
+the step's position (number, epoch, whether it is the run's last, whether the loop is between
+steps) at each call; what it keeps is its own: the checkpoint asked for, the last one written.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
+from torch import nn
+
+from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.errors import ConfigError
-from ddpkit.run.state import checkpoints, resume
-from ddpkit.run.step.preempt import exit_preempted
+from ddpkit.run.config import CheckpointConfig
+from ddpkit.run.monitor.monitor import Monitor
+from ddpkit.run.state import checkpoints
+from ddpkit.run.state.session import Session
+from ddpkit.run.step.optim import OptimizerGate
+from ddpkit.run.step.preempt import Preemption
+from ddpkit.run.step.replicas import ReplicaCheck
 
 log = logging.getLogger(__name__)
 
 
-class StepBoundaries:
-    """Mixed into ``StepCycle``: the methods that close a step and run its boundary."""
+class Boundary:
+    """The boundary after a step, and the run's checkpoints.
 
-    # --- step boundaries -----------------------------------------------------------------------
+    Args:
+        session: the checkpoint the run continues from (restored once, at the first batch).
+        monitor: the metrics line and the hang watchdog's phases.
+        gate: the non-finite check and what a line says of the optimizers (lr, skipped steps).
+        objects: name -> what a checkpoint holds; models: name -> wrapped model.
+        out: the run's folder (None: no files).
+        ckpt_cfg: when to checkpoint, and the preemption signals.
+        steps: the last step to run, or None.
+    """
 
-    def end_step(self) -> None:
-        """The open step's last micro-batch is done: its position moves on, its boundary waits."""
-        self.gate.check_stepped(self.step, self.cut)
-        self.held.restore()  # a loop left mid-step: the gradients are the user's again
-        self.draws.leave()
-        self.gate.scaler.update()
-        self.source.advance_to(self.micro.consumed)
-        self.monitor.samples_taken(self.step, self.indices)
-        self.monitor.step_ended()
-        self.micro, self.unsettled = None, True
-        self.state.open = self.state.accumulating = self.state.has_backward = False
+    def __init__(
+        self,
+        session: Session,
+        monitor: Monitor,
+        gate: OptimizerGate,
+        objects: dict[str, Any],
+        models: dict[str, nn.Module],
+        out: Path | None,
+        ckpt_cfg: CheckpointConfig,
+        steps: int | None,
+    ) -> None:
+        self.session, self.env, self.monitor, self.gate = session, session.env, monitor, gate
+        self.objects, self.models, self.out, self.ckpt_cfg, self.steps = objects, models, out, ckpt_cfg, steps
+        self.saved_step = session.saved["step"] if session.saved is not None else 0
+        self.save_now = False  # run.save() or save_best asked for a checkpoint of this step
+        self.final = False  # the last checkpoint written is marked as the command's finished run
+        self.saves: tuple[int, Any] = (0, None)  # checkpoints this process wrote, and the last
+        self.writer = BackgroundWriter() if ckpt_cfg.async_save else None  # rank 0's, async_save
+        self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
+        self.replicas = ReplicaCheck(self.env, monitor.phase, models)
 
-    def settle(self, last: bool = False) -> None:
-        """The boundary after the last step (its log line, fingerprint check, checkpoint, the
-        preemption agreement), closing it first if it is open.
+    def settle(
+        self, step: int, epoch: int, ended: bool, last: bool, between: bool, reached: int | None
+    ) -> int:
+        """The boundary after step ``step`` (``ended``: it trained; ``last``: the run's last;
+        ``between``: the loop is outside a step, so run.log lines of their own are due;
+        ``reached``: the loader's epoch, which a finished run's checkpoint records). Returns
+        the signal every rank agreed to stop on (0: none); the cycle then checkpoints and exits.
 
         After an epoch's last step the boundary comes at the next step's start (or the run's
         end), so what the loop did after the epoch (validation, a plateau scheduler, early
         stopping, run.log) is in that step's checkpoint, neither lost nor repeated on resume."""
-        if self.open:
-            self.end_step()
-        ended, self.unsettled = self.unsettled, False
-        last = last or (self.steps is not None and self.step >= self.steps)
         if not ended and not last:
-            return
-        if last or self.save_now or self._logs_or_saves():
+            return 0
+        if last or self.save_now or self._logs_or_saves(step):
             self.gate.check_norms()  # nothing non-finite reaches a log line or a checkpoint
         # The signal rides on the log gather, which is read at the next step's end: every rank
         # then reads the same maximum, so all stop at that step.
         logged, gathering = self.monitor.step_done(
-            self.step, ended, last, self._extra(), self.preemption.received
+            step, ended, last, self._extra(epoch), self.preemption.received
         )
         number = 0
         if logged is not None:
             record, number = logged
             self._pace(record)
-        if last and self.outside:
-            self.flush_between()  # what was logged after the last epoch, before the last checkpoint
+        if last and between:
+            self.flush_between(step, epoch)  # logged after the last epoch, before the last checkpoint
         if self.replicas.pending:
             self.replicas.finish()
         every = self.ckpt_cfg.save_every
-        due = self.save_now or (every > 0 and (self.step % every == 0 or last))
-        save = due and (self.saved_step != self.step or (last and not self.final))
+        due = self.save_now or (every > 0 and (step % every == 0 or last))
+        save = due and (self.saved_step != step or (last and not self.final))
         # A checkpoint of the last step (run.save() after the budget stopped the loop, with
         # save_every=0) is written again, marked finished: the same command then does nothing.
-        save = save or (last and not self.final and self.saved_step == self.step > 0 and self.out is not None)
+        save = save or (last and not self.final and self.saved_step == step > 0 and self.out is not None)
         check_every = self.monitor.check_every
-        if check_every and ended and (self.step % check_every == 0 or last):
-            self.replicas.start(self.step)
+        if check_every and ended and (step % check_every == 0 or last):
+            self.replicas.start(step)
             if last or save:  # nothing follows to finish it; a checkpoint holds checked replicas only
                 self.replicas.finish()
         if save:
-            self.checkpoint(final=last)
+            self.checkpoint(step, epoch, between, final=last, epoch_reached=reached)
         if not ended or last:
-            return
+            return 0
         if not number and not gathering:  # else it rides on this step's gather
-            number = self.preemption.agreed(self.step)
-        if number:
-            self._preempted(number)
+            number = self.preemption.agreed(step)
+        return number
 
-    def _logs_or_saves(self) -> bool:
+    def _logs_or_saves(self, step: int) -> bool:
         every = self.ckpt_cfg.save_every
-        return self.step % self.monitor.every == 0 or self.step == 1 or (every > 0 and self.step % every == 0)
+        return step % self.monitor.every == 0 or step == 1 or (every > 0 and step % every == 0)
 
-    def flush_between(self) -> None:
+    def flush_between(self, step: int, epoch: int) -> None:
         """Write what run.log got between steps as a line of the last step's. Collective."""
-        self.monitor.flush_between(self.step, {"epoch": self.epoch})
+        self.monitor.flush_between(step, {"epoch": epoch})
 
     def _pace(self, record: dict) -> None:
         # From the gathered median step, so every rank computes the same pace for the agreement.
@@ -97,85 +125,51 @@ class StepBoundaries:
             self.monitor.pace(record["step_s"])
             self.preemption.pace(record["step_s"], self.monitor.every)
 
-    def _extra(self) -> dict:
+    def _extra(self, epoch: int) -> dict:
         """A metrics line's own fields, made every step (one small dict): the step's epoch (not the
         pass the loader is on now), the skipped steps, and the rate the step ran at (a scheduler
         stepped after the optimizer has set the next one)."""
         gate = self.gate
-        extra = {"epoch": self.state.epoch, "skipped_steps": gate.skipped_steps}
+        extra = {"epoch": epoch, "skipped_steps": gate.skipped_steps}
         if gate.last_lr is not None:
             extra["lr"] = gate.last_lr
         return extra
 
-    def checkpoint(self, final: bool = False) -> None:
-        """Write every registered object's state at this step (``final``: marked as the command's
-        finished run, which the same command then leaves alone). Collective."""
+    def restore(self, step: int) -> None:
+        """Every registered object gets its part of the checkpoint the run continues from (once)."""
+        if (taken := self.session.take_saved()) is not None:
+            checkpoints.restore_run(*taken, self.objects, self.models, self.env, step)
+
+    def checkpoint(
+        self, step: int, epoch: int, between: bool, final: bool = False, epoch_reached: int | None = None
+    ) -> None:
+        """Write every registered object's state at ``step`` (``final``: marked as the command's
+        finished run, which the same command then leaves alone; ``epoch_reached``: the loader's
+        epoch then). Collective."""
         if self.out is None:
             raise ConfigError("run.save() needs out=FOLDER to write the checkpoint into")
-        self.restore()  # saved before the loop's first batch: what it resumed, not fresh objects
+        self.restore(step)  # saved before the loop's first batch: what it resumed, not fresh objects
         self.gate.check_norms()
-        self.save_now, self.saved_step, self.final = False, self.step, final
+        self.save_now, self.saved_step, self.final = False, step, final
         # The step's log lines first: a run killed after this checkpoint resumes after them.
         self.monitor.flush()
-        if self.outside:
-            self.flush_between()
-        self.monitor.phase(self.step, "checkpoint: RNG states all_gather_object")
-        finished = {**checkpoints.command(self.steps), "epoch": self._epoch_reached()} if final else None
+        if between:
+            self.flush_between(step, epoch)
+        self.monitor.phase(step, "checkpoint: RNG states all_gather_object")
+        finished = {**checkpoints.command(self.steps), "epoch": epoch_reached} if final else None
         path = checkpoints.save(
-            self.out / "checkpoints", self.step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
+            self.out / "checkpoints", step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
         )
         if path is not None:  # quiet: one line at the run's end says how many and the last
             log.debug("saved %s", path)
             self.saves = (self.saves[0] + 1, path)
 
-    def _epoch_reached(self) -> int | None:
-        """The loader's epoch at the run's end (``loader.epoch``): a loop over more trains on."""
-        return self.source.epoch if self.source is not None else None
-
-    # --- the end -------------------------------------------------------------------------------
-
-    def finish(self) -> None:
-        """``run.finish``: close the last step as the run's last (its log line and checkpoint)."""
-        if not self.started and (finished := self.session.finished_run()) is not None:
-            return self._leave_finished(finished)
-        if self.started:
-            self.settle(last=True)
+    def landed(self) -> None:
+        """Wait for a checkpoint written in the background (async_save) to land."""
         if self.writer is not None:
-            self.writer.wait()  # the last checkpoint has landed before the run says it finished
-        self.restore()  # a resumed run that had nothing left to do still checks what it resumed
+            self.writer.wait()
+
+    def said_saves(self) -> None:
+        """One line at the run's end: how many checkpoints, and the last."""
         if self.saves[0]:
             log.info("%d checkpoint(s) written, the last %s", *self.saves)
-
-    def _leave_finished(self, saved: dict) -> None:
-        """A finished run resumed by another command whose loop ran no step (no more epochs than it
-        ran): every registered object gets the checkpoint's state, rank 0 says so in one line,
-        and the run closes as finished with no collective and no checkpoint (Run writes no
-        OUT/NAME.pt either), so a rank whose code after the loop failed leaves the others nothing
-        to wait for."""
-        taken = self.session.take_saved()
-        assert taken is not None, "a finished run's checkpoint is restored once"
-        checkpoints.restore_run(*taken, self.objects, self.models, self.env, self.step, check=False)
-        if self.env.is_rank0:
-            print(resume.trained_nothing(self.out or taken[0], saved, self.steps), flush=True)
-        self.close(plot=True)  # its trackers' runs end as finished; loss.png is drawn again, alike
-
-    def close(self, plot: bool = False) -> None:
-        """Stop the diagnostics and leave the process group without another collective."""
-        if self.closed:
-            return
-        self.closed = True
-        self.preemption.restore()
-        self.monitor.close(plot)
-        self.session.leave()
-
-    def _preempted(self, number: int) -> None:
-        """Every rank, once all agree a signal came: checkpoint this step, leave, and exit."""
-        if self.out is not None and self.saved_step != self.step:
-            if self.replicas.pending:
-                self.replicas.finish()
-            self.checkpoint()
-        if self.writer is not None:
-            self.writer.wait()  # the checkpoint has landed before the process exits
-        self.monitor.flush()  # written already when the step was checkpointed just now
-        self.close()
-        exit_preempted(number, self.step, self.out is not None, self.env.is_rank0)

@@ -1,12 +1,14 @@
-"""The step cycle: the one owner of where a Run is, and of what happens at each boundary.
+"""The step cycle: the one owner of where a Run is, and of when each step's boundary runs.
 
 Every source of micro-batches (``map_source.MapSource``, ``stream.StreamSource``) is driven by
 ``StepCycle.drive``; the user's calls (``run.backward``, ``run.save``, the gated optimizers)
 reach the same object. A step closes after its last micro-batch (its position, timing); its
 boundary (log line, replica check, checkpoint, preemption agreement: collectives at the same
-point on every rank) runs when the next step opens or the run finishes, so an epoch's
-checkpoint holds what the loop did after the epoch. Between micro-batches the cycle tells the
-engines whether the next backward synchronizes (only a step's last does).
+point on every rank; boundary.py) runs when the next step opens or the run finishes, so an
+epoch's checkpoint holds what the loop did after the epoch: the boundary of step N therefore runs
+inside step N+1's first fetch from the loader (``begin``), or at ``run.finish``. Between
+micro-batches the cycle tells the engines whether the next backward synchronizes (only a step's
+last does).
 
 States of one process's run (``step`` counts optimizer steps begun)::
 
@@ -30,8 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.checkpoint.background import BackgroundWriter
-from ddpkit.errors import ConfigError
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.engine.forward_order import agree_before_backward
 from ddpkit.run.engine.wrap import set_grad_sync
@@ -39,17 +39,16 @@ from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.micro import Micro, to_device, tokens_in
 from ddpkit.run.monitor import notices
 from ddpkit.run.monitor.monitor import Monitor
-from ddpkit.run.state import checkpoints
+from ddpkit.run.state import checkpoints, resume
 from ddpkit.run.state.session import Session
-from ddpkit.run.step.boundary import StepBoundaries
+from ddpkit.run.step.boundary import Boundary
 from ddpkit.run.step.first_step import FirstStep
 from ddpkit.run.step.losses import StepLosses, check_differentiable
 from ddpkit.run.step.optim import OptimizerGate
-from ddpkit.run.step.preempt import Preemption
-from ddpkit.run.step.replicas import ReplicaCheck
+from ddpkit.run.step.preempt import exit_preempted
 
 
-class StepCycle(StepBoundaries):
+class StepCycle:
     """One rank's position in the run (step, epoch, micro-batch, in or between steps) and what
     happens at its boundaries.
 
@@ -77,17 +76,15 @@ class StepCycle(StepBoundaries):
         draws: SampleDraws,
     ) -> None:
         self.session, self.env, self.monitor, self.gate = session, session.env, monitor, gate
-        self.objects, self.models, self.out = objects, models, out
-        self.ckpt_cfg, self.steps, self.draws = ckpt_cfg, steps, draws
-        # The step state: written here (and in boundary.py) alone, read by the gate, the engines
-        # and the EMAs, which were handed the same object.
+        self.models, self.out, self.steps, self.draws = models, out, steps, draws
+        self.boundary = Boundary(session, monitor, gate, objects, models, out, ckpt_cfg, steps)
+        # The step state: written here alone, read by the gate, the engines and the EMAs, which
+        # were handed the same object.
         self.state, self.held = gate.state, gate.held
-        self.state.step = self.saved_step = session.saved["step"] if session.saved is not None else 0
-        self.saves: tuple[int, Any] = (0, None)  # checkpoints this process wrote, and the last
-        self.writer = BackgroundWriter() if ckpt_cfg.async_save else None  # rank 0's, async_save
+        self.state.step = self.boundary.saved_step
         self.source: Any = None  # the source of the step begun last
         self.micro: Micro | None = None
-        self.save_now = self.started = self.closed = self.final = False
+        self.started = self.closed = False
         self.unsettled = False  # a closed step whose boundary (log, check, checkpoint) has not run
         # Between steps (before the loop's first and after each epoch's last) every rank is at the
         # same point, so run.log values from there are gathered for a line of their own.
@@ -96,8 +93,6 @@ class StepCycle(StepBoundaries):
         self.cut: Micro | None = None  # the micro-batch the loop left its loader at, mid-step
         self.resumed_at, self.warned_budget, self.warned_stale = self.step, False, False
         self.indices: list[int] = []
-        self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
-        self.replicas = ReplicaCheck(self.env, monitor.phase, models)
         self.first_step = FirstStep(self.env, models, draws)  # what the first micro-batch did
 
     @property
@@ -163,14 +158,9 @@ class StepCycle(StepBoundaries):
         """The loop's first batch: a resumed run restores everything registered now."""
         if self.started:
             return
-        self.restore()
+        self.boundary.restore(self.step)
         self.started = True
         self.monitor.start(self.step, self.steps)
-
-    def restore(self) -> None:
-        """Every registered object gets its part of the checkpoint the run continues from (once)."""
-        if (taken := self.session.take_saved()) is not None:
-            checkpoints.restore_run(*taken, self.objects, self.models, self.env, self.step)
 
     def begin(self, source: Any) -> bool:
         """Close the previous step and open the next; False once the run's last step is done."""
@@ -179,7 +169,7 @@ class StepCycle(StepBoundaries):
             self.outside = True
             return False
         if self.outside:
-            self.flush_between()
+            self.boundary.flush_between(self.step, self.epoch)
             self.outside = False
         state, self.source, self.indices = self.state, source, []
         state.step, state.epoch, state.open, state.micro_batches = state.step + 1, source.epoch, True, 0
@@ -238,18 +228,9 @@ class StepCycle(StepBoundaries):
 
     def log(self, metrics: dict[str, float | torch.Tensor], reduce: str) -> None:
         """``run.log``: for the step's metrics line, or between steps for a line of their own."""
-        if reduce not in ("mean", "sum"):
-            raise ConfigError(
-                f"run.log(reduce={reduce!r}): use 'mean' (weighted by samples) or 'sum' (counts)"
-            )
         micro = self.micro if self.open else None
         weight = float(micro.samples) if micro is not None else 1.0
         for name, value in metrics.items():
-            if not isinstance(value, int | float | torch.Tensor) or isinstance(value, bool):
-                raise ConfigError(
-                    f"run.log({name}={value!r}): a metric is a number or a one-element tensor; log "
-                    "text with run.print"
-                )
             self.monitor.add_user(name, value, weight, reduce, self.step if micro is not None else -1)
 
     def left(self, micro: Micro, source: Any) -> None:
@@ -266,9 +247,85 @@ class StepCycle(StepBoundaries):
 
     def request_save(self) -> None:
         """``run.save``: checkpoint at the end of the current step (now, between steps)."""
-        self.save_now = True
+        boundary = self.boundary
+        boundary.save_now = True
         if not self.open:
             if self.unsettled:
                 self.settle()  # the last step's boundary first: it writes this checkpoint
-            if self.save_now:
-                self.checkpoint()
+            if boundary.save_now:
+                boundary.checkpoint(self.step, self.epoch, self.outside)
+
+    # --- step boundaries -----------------------------------------------------------------------
+
+    def end_step(self) -> None:
+        """The open step's last micro-batch is done: its position moves on, its boundary waits."""
+        self.gate.check_stepped(self.step, self.cut)
+        self.held.restore()  # a loop left mid-step: the gradients are the user's again
+        self.draws.leave()
+        self.gate.scaler.update()
+        self.source.advance_to(self.micro.consumed)
+        self.monitor.samples_taken(self.step, self.indices)
+        self.monitor.step_ended()
+        self.micro, self.unsettled = None, True
+        self.state.open = self.state.accumulating = self.state.has_backward = False
+
+    def settle(self, last: bool = False) -> None:
+        """The boundary after the last step (boundary.py), closing it first if it is open; a stop
+        every rank agreed on there checkpoints this step and exits."""
+        if self.open:
+            self.end_step()
+        ended, self.unsettled = self.unsettled, False
+        last = last or (self.steps is not None and self.step >= self.steps)
+        if number := self.boundary.settle(self.step, self.epoch, ended, last, self.outside, self._reached()):
+            self._preempted(number)
+
+    def _reached(self) -> int | None:
+        """The loader's epoch (``loader.epoch``), which a finished run's checkpoint records: a
+        loop over more epochs trains on."""
+        return self.source.epoch if self.source is not None else None
+
+    # --- the end -------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """``run.finish``: close the last step as the run's last (its log line and checkpoint)."""
+        if not self.started and (finished := self.session.finished_run()) is not None:
+            return self._leave_finished(finished)
+        if self.started:
+            self.settle(last=True)
+        self.boundary.landed()  # the last checkpoint has landed before the run says it finished
+        self.boundary.restore(self.step)  # a resumed run with nothing left to do checks what it resumed
+        self.boundary.said_saves()
+
+    def _leave_finished(self, saved: dict) -> None:
+        """A finished run resumed by another command whose loop ran no step (no more epochs than it
+        ran): every registered object gets the checkpoint's state, rank 0 says so in one line,
+        and the run closes as finished with no collective and no checkpoint (Run writes no
+        OUT/NAME.pt either), so a rank whose code after the loop failed leaves the others nothing
+        to wait for."""
+        taken = self.session.take_saved()
+        assert taken is not None, "a finished run's checkpoint is restored once"
+        checkpoints.restore_run(*taken, self.boundary.objects, self.models, self.env, self.step, check=False)
+        if self.env.is_rank0:
+            print(resume.trained_nothing(self.out or taken[0], saved, self.steps), flush=True)
+        self.close(plot=True)  # its trackers' runs end as finished; loss.png is drawn again, alike
+
+    def close(self, plot: bool = False) -> None:
+        """Stop the diagnostics and leave the process group without another collective."""
+        if self.closed:
+            return
+        self.closed = True
+        self.boundary.preemption.restore()
+        self.monitor.close(plot)
+        self.session.leave()
+
+    def _preempted(self, number: int) -> None:
+        """Every rank, once all agree a signal came: checkpoint this step, leave, and exit."""
+        boundary = self.boundary
+        if self.out is not None and boundary.saved_step != self.step:
+            if boundary.replicas.pending:
+                boundary.replicas.finish()
+            boundary.checkpoint(self.step, self.epoch, self.outside)
+        boundary.landed()  # the checkpoint has landed before the process exits
+        self.monitor.flush()  # written already when the step was checkpointed just now
+        self.close()
+        exit_preempted(number, self.step, self.out is not None, self.env.is_rank0)
