@@ -22,7 +22,7 @@ Then the start-up, from ``ddpkit.Run(...)`` to the end of the first step, resumi
 checkpoint (``resumed``) and from a fresh folder (``fresh``), and the plain load of the same form:
 what a plain script resuming does with a new optimizer (``dcp.load`` of the state dicts, set
 back; or ``torch.load`` and ``load_state_dict``).
-Goals (issue 35): a synchronous save at most 1.2x the plain save of the same bytes in the same
+Goals: a synchronous save at most 1.2x the plain save of the same bytes in the same
 form (``dcp.save`` when the run's checkpoint goes through DCP, else ``torch.save`` into a new
 file), a step with an async save at most 1.2x a step, a resumed start at most the fresh one
 plus DCP's load plus 10%.
@@ -195,7 +195,7 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
 
     for i in range(rounds):
         times["async"].append(_timed(lambda: (run.save(), step())))
-        time.sleep(2.0)  # the thread's write (about 0.5 s here) lands before the next round
+        time.sleep(2.0)  # the thread's write (docs/fsdp.md has its time) lands before the next round
         times["plain async"].append(_timed(plain_async_then_step, out / f"plain-async-{i}"))
         started.pop()()
         time.sleep(2.0)

@@ -1,12 +1,12 @@
 """``ddpkit bench comm``: nccl-tests for torch.distributed, on any backend.
 
-Every operation of the seeds (send/recv, isend/irecv, broadcast, reduce, all_reduce, scatter,
-gather, all_gather, plus reduce_scatter and all_to_all) runs at each size, once per reduce op where
-one applies. Each row is ``--warmup`` untimed then ``--iters`` timed iterations; each rank takes
-its mean time per iteration and ``--average`` combines the ranks (the mean, as nccl-tests does by
-default). After timing, one more run from fresh inputs is compared element by element with the
-exact expected result (#wrong, summed over ranks). An operation the backend refuses is reported
-as ``n/a`` and the run goes on.
+Every operation of PyTorch's distributed tutorials (send/recv, isend/irecv, broadcast, reduce,
+all_reduce, scatter, gather, all_gather), plus reduce_scatter and all_to_all, runs at each size,
+once per reduce op where one applies. Each row is ``--warmup`` untimed then ``--iters`` timed
+iterations; each rank takes its mean time per iteration and ``--average`` combines the ranks (the
+mean, as nccl-tests does by default). After timing, one more run from fresh inputs is compared
+element by element with the exact expected result (#wrong, summed over ranks). An operation the
+backend refuses is reported as ``n/a`` and the run goes on.
 """
 
 from __future__ import annotations

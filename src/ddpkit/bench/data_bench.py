@@ -10,12 +10,12 @@ in a world of one, on three datasets of 32x32 images:
 - ``fixed``: the same samples from a class of the user's, which draws nothing but might: it is
   watched every batch;
 - ``crop``: a random 32x32 crop of a 40x40 image and a random flip, drawn from the dataset's
-  own ``np.random.default_rng()`` (the issue's "20-50 us of work a sample");
+  own ``np.random.default_rng()`` (20-50 us of work a sample, the case the target is set for);
 - ``globals``: the same crop drawn from python's, numpy's and torch's global generators;
 - ``sample_rng``: the crop ported to ``ddpkit.sample_rng()`` (``draws_random = "sample_rng"``),
   against the plain loader on ``crop``, the dataset it was ported from.
 
-Each is loaded by torch's DataLoader with a DistributedSampler (the seeds' loader) and by
+Each is loaded by torch's DataLoader with a DistributedSampler (the DDP tutorials' loader) and by
 run.loader's own path (its sampler, plan and seeded fetch), the same batches in alternating
 rounds (one fresh iterator each, so worker start-up is in both); a ratio is plain time over
 run.loader's time, i.e. run.loader's throughput as a fraction of the plain loader's: the

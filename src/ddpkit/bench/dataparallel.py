@@ -1,6 +1,6 @@
 """The nn.DataParallel baseline of ``ddpkit bench scaling``: one process driving several GPUs by threads.
 
-The seeds compare it with DDP: every step DataParallel scatters the batch from GPU 0, copies
+PyTorch's DDP tutorials compare it with DDP: every step DataParallel scatters the batch from GPU 0, copies
 the model to every GPU, runs the replicas in Python threads (contending for the GIL) and
 gathers the outputs back to GPU 0, where DDP keeps one long-lived replica per process and
 all-reduces gradients while backward runs. Only meaningful with two or more GPUs.

@@ -40,8 +40,8 @@ from ddpkit.run.invariant.dropout import key_dropout
 from ddpkit.run.invariant.functional_dropout import ForwardDraws
 from ddpkit.run.micro import Micro
 
-LAYER_TARGET = 1.2  # the issue: a keyed layer at most 1.2x a dropout layer
-STEP_TARGET = 1.02  # the issue: at most 2% of a GPT step with dropout 0.1
+LAYER_TARGET = 1.2  # the goal: a keyed layer at most 1.2x a dropout layer
+STEP_TARGET = 1.02  # the goal: at most 2% of a GPT step with dropout 0.1
 
 
 def whole_batch(batch: int) -> Micro:

@@ -37,7 +37,7 @@ from ddpkit.bench.netns import emulated_hosts, exec_prefix, parse_rate, why_not
 from ddpkit.dist import cpu_cores, destroy, init_distributed
 from ddpkit.errors import ConfigError
 
-# The targets at 300 Mbit/s (median step over torch DDP's, after warm-up). PowerSGD's is
+# The engine's targets at 300 Mbit/s (median step over torch DDP's, after warm-up). PowerSGD's is
 # checked at rank 8, the lowest rank tried whose loss after 300 steps is within 3% of uncompressed.
 LINK_TARGETS = (("native", 0.85), ("native+bf16", 0.65), ("native+powersgd:8", 0.50))
 WORKER = (sys.executable, "-m", "ddpkit.bench.engine_link")  # _worker, one per host

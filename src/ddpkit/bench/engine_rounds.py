@@ -41,8 +41,8 @@ from ddpkit.parallel.layout import TRIAL_PASSES
 ENGINES = ("solo", "none", "torch", "native", "native+bf16", "native+fp16", "native+powersgd", "native@1mib")
 DEFAULT_ENGINES = "solo,none,torch,native,native+bf16"
 # --link's default. PowerSGD at rank 8 (10 plain steps first): the rank that keeps the loss after
-# 300 steps within 3.5% of uncompressed (python -m ddpkit.bench.powersgd_loss: +1.2%, +1.7%, +3.3% on
-# seeds 0-2; rank 1 +13.8%).
+# 300 steps within 3.5% of uncompressed (python -m ddpkit.bench.powersgd_loss; docs/engine.md,
+# "PowerSGD's rank and the loss", has the losses per seed).
 LINK_ENGINES = "none,torch,native,native@1mib,native+bf16,native+powersgd:8"
 VOCAB = 128
 _CAP = re.compile(r"native@([0-9.]+)mb")

@@ -1,4 +1,4 @@
-"""``ddpkit bench engine``'s arithmetic: per-engine rows, paired ratios, the issue's targets, the table.
+"""``ddpkit bench engine``'s arithmetic: per-engine rows, paired ratios, the targets, the table.
 
 Input is what every rank of the timed run gathered: per engine, per round, each step's seconds;
 CPU and wall seconds; collectives and bytes of one profiled step. Peak RSS comes separately.
@@ -104,7 +104,7 @@ def targets(
     ratio_targets: tuple[tuple[str, float], ...] = RATIO_TARGETS,
     floors: dict[str, tuple[float, str]] | None = None,
 ) -> list[dict]:
-    """The issue's targets, each with what was measured and whether it was met.
+    """The engine's targets, each with what was measured and whether it was met.
 
     ``none`` (no communication at all) is the floor: no engine's step can be shorter than the
     same step with nothing to send, so its ratio to torch is the best any engine can reach.

@@ -1,6 +1,6 @@
 """The training loops ``ddpkit bench trainer`` times side by side, each over its own copy of one model.
 
-- ``HandLoop``: the seeds' hand-written DDP loop: torch's DataLoader with a DistributedSampler,
+- ``HandLoop``: the DDP tutorials' hand-written loop: torch's DataLoader with a DistributedSampler,
   ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``; in a world of one, the plain
   single-process loop (no DDP: what ``python train.py`` runs before it is ported).
 - ``RunLoop``: the same loop on ``ddpkit.Run`` with every default diagnostic on (hang watchdog,

@@ -12,7 +12,8 @@ takes as long as with one process. Either way ``efficiency = speedup / (n / base
 speedup is throughput relative to the smallest process count, ``base``.
 
 With two or more GPUs visible, ``nn.DataParallel`` (one process driving n GPUs from threads)
-runs beside DDP at every count that fits, the comparison the seeds discuss; its ``nproc`` is GPUs.
+runs beside DDP at every count that fits, the comparison PyTorch's DDP tutorials discuss; its
+``nproc`` is GPUs.
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 
 The loops (``bench/loops.py``) train their own copy of the same model on the same data with the
 same AdamW, schedule and gradient clipping, alternating in blocks of steps so that machine noise
-hits them alike. The hand-written loop is the seeds' loop: DataLoader + DistributedSampler,
+hits them alike. The hand-written loop is the DDP tutorials' loop: DataLoader + DistributedSampler,
 loss.backward(), step(). ``--slow-data-ms`` makes every sample cost that much CPU (an image
 decode), and ``--num-workers`` loads in DataLoader workers, for both loops, each with its
 DataLoader's defaults (Run's are torch's: no persistent workers, a prefetch factor of 2).
 
 Each ratio to the hand-written loop is the median over rounds (one block of each loop) of that
 round's ratio, so load that drifts between rounds cancels; the 90% interval says how far that
-median could move were the rounds run again. "step" compares the rounds' median steps (the
-issue's step target); "time" their whole blocks, log and check steps included (throughput);
+median could move were the rounds run again. "step" compares the rounds' median steps (what
+the step target is on); "time" their whole blocks, log and check steps included (throughput);
 "cpu" the CPU time of the training thread over whole blocks (DataLoader workers not counted),
 which says what a loop itself costs even on a machine whose load swings its wall times.
 """
@@ -187,9 +187,9 @@ def speeds(rows: dict, ranks: list[dict], ns) -> None:
 
 
 def _targets(ns) -> str:
-    if ns.num_workers:  # the issue's target for slow data is throughput, i.e. time per step
+    if ns.num_workers:  # with slow data the target is throughput, i.e. time per step
         return f"time <= {1 / 0.95:.3f} (throughput >= 0.95)"
-    if ns.nproc == 1 and ns.device == "cpu":  # issue 33's for a world of one: the toy MLP
+    if ns.nproc == 1 and ns.device == "cpu":  # a world of one on a CPU: the toy MLP's cost in us
         return "at most +50 us a step over the plain loop (toy); step <= 1.02 on a GPU"
     return "step <= 1.02"
 

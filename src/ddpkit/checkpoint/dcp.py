@@ -138,9 +138,9 @@ def load_sharded(path: str | Path, shards: dict[str, Any]) -> None:
     to this run's ranks. The folder was verified against its manifest when it was chosen.
 
     Each rank plans its reads alone (``no_dist``): a load's plan needs nothing from the other ranks
-    (each DTensor knows its own shard), and DCP's gather and scatter of every rank's plan cost 0.1 s
-    a load on 2 processes here, more with more ranks. Every rank holds the same keys (one model,
-    one optimizer), so a key DCP cannot find fails every rank alike."""
+    (each DTensor knows its own shard), and DCP's gather and scatter of every rank's plan cost
+    time on every load, more with more ranks (docs/fsdp.md, "What it costs"). Every rank holds
+    the same keys (one model, one optimizer), so a key DCP cannot find fails every rank alike."""
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is not

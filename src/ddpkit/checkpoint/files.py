@@ -23,8 +23,8 @@ _RENAME_EXCHANGE = 2  # from <linux/fs.h>
 
 
 # The digest new manifests record: xxh3_128, a checksum (not a cryptographic hash; the manifest
-# guards against torn and corrupted files, not against an attacker) at 18 GB/s on this CPU
-# against 1.6 GB/s for sha256, so hashing a checkpoint again costs about what reading it does.
+# guards against torn and corrupted files, not against an attacker), about ten times sha256's
+# speed, so hashing a checkpoint again costs about what reading it does (docs/fsdp.md).
 # Manifests written before it hold sha256, which is still verified.
 DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 DIGEST = "xxh3_128"

@@ -138,7 +138,7 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 
 def _from_torch_vars(environ: Mapping[str, str]) -> LauncherVars:
     world_size = _int(environ, "WORLD_SIZE")
-    # Scripts started by hand with only RANK/WORLD_SIZE (the seeds' mp.spawn pattern) are one node.
+    # Scripts started by hand with only RANK/WORLD_SIZE (the DDP tutorials' mp.spawn pattern) are one node.
     local_world_size = _int(environ, "LOCAL_WORLD_SIZE", world_size)
     launcher = environ.get("DDPKIT_LAUNCHER", "elastic" if "TORCHELASTIC_RUN_ID" in environ else "env")
     return LauncherVars(

@@ -21,8 +21,9 @@ from ddpkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Start-up waits for every rank to arrive, which on a busy cluster can take minutes (the seeds'
-# "skewed processing speeds"); a generous default avoids spurious timeouts there.
+# Start-up waits for every rank to arrive, which on a busy cluster can take minutes (the
+# "skewed processing speeds" of PyTorch's DDP tutorials); a generous default avoids spurious
+# timeouts there.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 

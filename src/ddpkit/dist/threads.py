@@ -3,9 +3,9 @@
 The most common reason a DDP script on CPU is slow. Torch gives every process one intra-op
 thread per core, so N processes on one host run N times too many threads. OpenMP threads that
 wait for work spin instead of sleeping, and they spin against the other processes' threads and
-against gloo's communication threads. Measured with ``ddpkit bench engine --threads 2`` on a
-2-core machine (2 processes, 4.8M-parameter GPT): 686 ms per torch DDP step, against 358 ms
-with one thread per process; without any communication the oversubscribed step still took 656 ms.
+against gloo's communication threads: on 2 cores this about doubles a torch DDP step, with or
+without communication (docs/engine.md, "Where a slow CPU DDP step goes", measured with
+``ddpkit bench engine --threads 2``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The small convolutional classifier from the seeds' MNIST data-parallel example."""
+"""The small convolutional classifier of PyTorch's MNIST data-parallel example."""
 
 from __future__ import annotations
 

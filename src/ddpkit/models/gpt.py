@@ -17,9 +17,9 @@ class GPTConfig:
     """Shape of a :class:`GPT`.
 
     The size defaults (0.42M parameters) are tuned for ``ddpkit train`` on the default
-    corpus with two CPU processes of one thread each: about 75 ms per step at a global
-    batch of 64, and a training loss from 4.6 to about 1.0 in 1500 steps (lr 6e-3).
-    Wider or deeper models learned less per second of CPU in that budget.
+    corpus with two CPU processes of one thread each, at a global batch of 64 (lr 6e-3):
+    wider or deeper models learned less per second of CPU. docs/commands.md has the step
+    time and the loss curve measured.
     """
 
     vocab_size: int = 128

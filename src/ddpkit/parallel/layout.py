@@ -26,10 +26,9 @@ from ddpkit.parallel.powersgd import PowerSGD
 log = logging.getLogger("ddpkit.parallel")
 
 # Split layout: about this many buckets, each between these sizes. Sixteen 1.1 MiB buckets of
-# the 4.8M-parameter GPT start its all-reduce after a sixteenth of backward (quiet machine,
-# ``ddpkit bench engine --link 300mbit --engines none,torch,native@1mb,native@1.5mb``, eight
-# 2.3 MiB buckets at the time: 0.849 and 0.852 of torch DDP's step against eight buckets' 0.872;
-# the ideal forward + max(backward, comm) + optimizer is 0.825).
+# the 4.8M-parameter GPT start its all-reduce after a sixteenth of backward, closer to the ideal
+# forward + max(backward, comm) + optimizer than eight larger ones (docs/engine.md, "A slow link",
+# measured with ``ddpkit bench engine --link 300mbit``).
 SPLIT_BUCKETS = 16
 SPLIT_MIN_BYTES = 1024 * 1024
 SPLIT_FIRST_BYTES = 256 * 1024  # the first bucket: communication starts after 1/75 of backward

@@ -119,7 +119,8 @@ def call_module(module: nn.Module, *inputs, **kwargs) -> object:
 
 def eager(fn: Callable) -> Callable:
     """``torch.compiler.disable(fn)``: run eagerly, never traced by torch.compile, with torch._dynamo
-    imported at the first call rather than when ddpkit is imported (0.9 s of start-up): torch's
+    imported at the first call rather than when ddpkit is imported (a large part of start-up,
+    docs/engine.md): torch's
     own DDP does the same through ``torch._disable_dynamo``, which this uses where torch has it."""
     lazy = getattr(torch, "_disable_dynamo", None)
     return lazy(fn) if lazy is not None else torch.compiler.disable(fn)

@@ -1,4 +1,4 @@
-"""The built-in Trainer: the seeds' Trainer shape (``_run_batch``, ``_run_epoch``) on ``ddpkit.Run``.
+"""The built-in Trainer: the DDP tutorials' Trainer shape (``_run_batch``, ``_run_epoch``) on ``ddpkit.Run``.
 
 Everything distributed is the Run's: the process group, the engine, the global-batch loader,
 gradient accumulation and loss scaling, checkpoints and exact resume, the diagnostics. The

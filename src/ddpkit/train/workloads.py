@@ -1,4 +1,4 @@
-"""Built-in workloads from the seeds: a character GPT, the MNIST ConvNet and the ToyModel.
+"""Built-in workloads from PyTorch's DDP tutorials: a character GPT, the MNIST ConvNet and the ToyModel.
 
 A workload is a task like any ``ddpkit train path/to/task.py``: ``build(cfg)`` returns a
 ``ddpkit.Task`` (model, dataset, loss, held-out split, and what to show of the trained model).
@@ -105,8 +105,8 @@ def _defaults(steps: int, global_batch: int, lr: float, warmup_steps: int, save_
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        # 1000 steps of 64 windows: about 80 s on 2 idle cores, loss 4.6 -> ~1.1 (passes 1.6 near step
-        # 300), leaving room under the 3-minute goal on a busy machine. Tuned: lr 3e-3..1e-2, 1-4 layers.
+        # 1000 steps of 64 windows: within the 3-minute goal on a busy 2-core machine, with room
+        # (time and loss measured in docs/commands.md). Tuned over lr 3e-3..1e-2 and 1-4 layers.
         # Every workload checkpoints by default, so `ddpkit inspect` and `--resume auto` have one.
         Workload("gpt", "file", _gpt_task, _defaults(1000, 64, 6e-3, 50, save_every=250)),
         Workload("convnet", "dir", _convnet_task, _defaults(300, 64, 2e-3, 20, save_every=100)),

@@ -8,7 +8,7 @@ group's weights. So before each group's forward (and before each ``run.backward`
 all-gather which group they are at, 8 bytes, and a disagreement is one ``ConfigError`` on every
 rank, naming what each ran.
 
-Over gloo only, where it costs one small collective a group (about 40 us on a CPU) and where
+Over gloo only, where it costs one small collective a group (priced in docs/fsdp.md) and where
 the abort would otherwise come. On NCCL the check would need a host sync per group, so a
 mismatch there shows as a hang, which the collective watchdog names with every rank's stack.
 """

@@ -1,8 +1,8 @@
 """A world of one needs no engine: the model as it is, with the engine's face.
 
 In a world of one there is nothing to all-reduce, yet torch's DDP still runs its reducer's hooks
-and a one-process all-reduce every backward: about 200 µs a step on a small MLP (439 against
-235 µs on a 2-layer MLP, measured 2026-11-27 on this 2-core CPU). ``LocalEngine`` is what
+and a one-process all-reduce every backward, which on a small MLP nearly doubles the step
+(docs/engine.md, "Small costs behind the code's choices"). ``LocalEngine`` is what
 ``run.setup`` returns there instead: it calls the model directly, keeps the attributes the run
 sets on an engine (``require_backward_grad_sync``, ``no_sync()``), and is unwrapped like one,
 so checkpoints have the same keys either way. It keeps the engine's one-line errors for a loop

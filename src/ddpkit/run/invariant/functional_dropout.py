@@ -85,7 +85,7 @@ class ForwardDraws(TorchFunctionMode):
 
     def done_observing(self) -> None:
         """The first micro-batch is over. Unkeyed, the hooks come off an eager model (a module
-        with hooks takes torch's slower call path: about 10 us a step on a small model); on a
+        with hooks takes torch's slower call path, priced in docs/engine.md); on a
         compiled one they stay, entering nothing, for its guards see the same hooks every call."""
         self.observing = False
         if not self.keyed and not self.compiled:

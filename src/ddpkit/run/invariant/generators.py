@@ -126,7 +126,7 @@ _KNOWN_FIRST = random.Random(0x5EED).getrandbits(64)
 
 class _KeptPython(_Kept):
     """A ``random.Random``, watched from a known state: one draw after the fetch tells whether the
-    dataset drew (0.1 us, against 8 us to read its 625 words again and 5 us to compare them)."""
+    dataset drew, far cheaper than reading its 625 words again and comparing them (docs/engine.md)."""
 
     changes = True
 
@@ -139,9 +139,10 @@ class _KeptPython(_Kept):
 
 class _KeptNumpy(_Kept):
     """numpy's legacy global generator, its bit generator swapped for the batch
-    (``np.random.set_bit_generator``): the run's own is left untouched instead of read (31 us)
-    and written back (33 us) whole. Swapping clears the global's cached gaussian, so the training
-    process reads the state once, for that, and sets it back where there was one."""
+    (``np.random.set_bit_generator``): the run's own is left untouched instead of read and
+    written back whole, the slowest of the public accessors (docs/engine.md). Swapping clears
+    the global's cached gaussian, so the training process reads the state once, for that, and
+    sets it back where there was one."""
 
     changes = True
 
@@ -161,7 +162,7 @@ class _KeptNumpy(_Kept):
 
 class Twins:
     """Two Mersenne Twisters in step: one is numpy's global while a watched batch is fetched, the
-    other is never lent; a draw from each after the fetch tells whether the dataset drew (0.6 us).
+    other is never lent; a draw from each after the fetch tells whether the dataset drew.
     Where numpy's global is seeded per sample, a third stands in (``watched=False``)."""
 
     def __init__(self) -> None:

@@ -30,7 +30,7 @@ def mix(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 of every element of an int32 tensor, in place (``x`` is returned).
 
     In place, with one scratch tensor: eager, each op is a pass over memory, and fresh
-    temporaries made the keyed dropout layer 1.5x nn.Dropout's time on the CPU instead of 0.85x."""
+    temporaries made the keyed dropout layer slower than nn.Dropout on the CPU (docs/engine.md)."""
     t = x >> 16
     x ^= t.bitwise_and_(0xFFFF)
     x *= _M1

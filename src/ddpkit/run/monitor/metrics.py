@@ -21,7 +21,8 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         # Line-buffered: each line reaches the OS as it is written, so a killed run keeps every
-        # line it logged. The file stays open: opening it per line cost ~80 us.
+        # line it logged. The file stays open: an open per line costs more than the write
+        # (docs/engine.md, "Small costs behind the code's choices").
         if self._file is None:
             self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
         self._file.write(json.dumps(record) + "\n")
@@ -40,9 +41,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_loss(records: list[dict], png: Path, title: str = "training loss") -> None:
     """Draw loss against step into ``png``."""
-    # Imported here: matplotlib is ~0.5 s of CPU, and every rank of every run imports ddpkit but
-    # only rank 0 plots, once. A Figure of its own draws with Agg where the file is written,
-    # without pyplot: a notebook that imports ddpkit keeps its own backend and plots.
+    # Imported here: matplotlib's import is a noticeable part of start-up (docs/engine.md), and
+    # every rank of every run imports ddpkit but only rank 0 plots, once. A Figure of its own
+    # draws with Agg where the file is written, without pyplot: a notebook that imports ddpkit
+    # keeps its own backend and plots.
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6, 4), dpi=100)
