@@ -1,4 +1,4 @@
-"""Point-to-point and collective communication, every result checked (the seeds' dist_tuto walkthrough).
+"""Point-to-point and collective communication, every result checked (PyTorch's dist_tuto walkthrough).
 
     ddpkit run --nproc 2 examples/collectives.py      # any --nproc works; 1 skips point-to-point
 

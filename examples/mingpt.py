@@ -1,4 +1,4 @@
-"""A minGPT-style character model trained with DDP, in the shape of the seeds' multigpu.py Trainer.
+"""A minGPT-style character model trained with DDP, in the shape of the DDP tutorials' multigpu.py Trainer.
 
     ddpkit run --nproc 2 examples/mingpt.py
 

@@ -1,4 +1,4 @@
-"""The seeds' MNIST ConvNet trained with DDP and a DistributedSampler, on handwritten digits.
+"""The PyTorch DDP tutorials' MNIST ConvNet trained with DDP and a DistributedSampler, on handwritten digits.
 
     ddpkit run --nproc 2 examples/mnist_convnet.py
 

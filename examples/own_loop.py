@@ -1,4 +1,4 @@
-"""The seeds' multigpu.py Trainer (model, dataset, _run_batch, _run_epoch, save) on ddpkit.Run.
+"""The DDP tutorials' multigpu.py Trainer (model, dataset, _run_batch, _run_epoch, save) on ddpkit.Run.
 
     ddpkit run --nproc 2 examples/own_loop.py --out runs/own_loop --save-every 10
 
@@ -22,7 +22,7 @@ import ddpkit
 
 
 class MyTrainDataset(Dataset):
-    """The seeds' random regression data, with a random augmentation drawn at every fetch."""
+    """The DDP tutorials' random regression data, with a random augmentation drawn at every fetch."""
 
     def __init__(self, size: int, noise: float) -> None:
         gen = torch.Generator().manual_seed(1234)
@@ -38,7 +38,7 @@ class MyTrainDataset(Dataset):
 
 
 class Trainer:
-    """The seeds' Trainer: the same methods, the same loop."""
+    """The DDP tutorials' Trainer: the same methods, the same loop."""
 
     def __init__(self, run: ddpkit.Run, model, train_data, optimizer, scheduler) -> None:
         self.run, self.model, self.train_data = run, model, train_data

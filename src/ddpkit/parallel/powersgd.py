@@ -64,7 +64,7 @@ class PowerSGD:
     ) -> None:
         if rank is not None:
             warnings.warn(
-                "PowerSGD(rank=...) is now PowerSGD(matrix_approximation_rank=...), torch's name",
+                "PowerSGD(rank=...) is deprecated: pass matrix_approximation_rank=..., torch's name",
                 FutureWarning,
                 stacklevel=2,
             )
