@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from helpers import run_ranks
 
-from ddpkit.diagnostics import desync as desync_probe
-from ddpkit.diagnostics.desync import (
+from ddpkit.diagnostics.hang import desync as desync_probe
+from ddpkit.diagnostics.hang.desync import (
     Blocked,
     DesyncProbe,
     blocked_record,
@@ -20,11 +20,11 @@ from ddpkit.diagnostics.desync import (
     find_desync,
     signature,
 )
-from ddpkit.diagnostics.hang import HangWatchdog
-from ddpkit.diagnostics.hang_exchange import BoundedStore
-from ddpkit.diagnostics.hang_report import format_report
-from ddpkit.diagnostics.hang_state import RankState
-from ddpkit.diagnostics.stacks import user_frame
+from ddpkit.diagnostics.hang.exchange import BoundedStore
+from ddpkit.diagnostics.hang.record import RankState
+from ddpkit.diagnostics.hang.report import format_report
+from ddpkit.diagnostics.hang.stacks import user_frame
+from ddpkit.diagnostics.hang.watchdog import HangWatchdog
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError

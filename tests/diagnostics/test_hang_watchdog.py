@@ -15,10 +15,10 @@ from helpers import run_ranks
 
 import ddpkit
 from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
-from ddpkit.diagnostics.hang import HangWatchdog
-from ddpkit.diagnostics.hang_report import attribute, format_report, summary_line
-from ddpkit.diagnostics.hang_state import Progress, RankState
-from ddpkit.diagnostics.stacks import thread_stack
+from ddpkit.diagnostics.hang.record import Progress, RankState
+from ddpkit.diagnostics.hang.report import attribute, format_report, summary_line
+from ddpkit.diagnostics.hang.stacks import thread_stack
+from ddpkit.diagnostics.hang.watchdog import HangWatchdog
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.launch import LaunchError

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ddpkit.diagnostics.hang_report import format_run_report as format_report
-from ddpkit.diagnostics.hang_state import WorkerState, auto_timeout, find_hang
+from ddpkit.diagnostics.hang.record import auto_timeout, find_hang
+from ddpkit.diagnostics.hang.record import outside_state as WorkerState
+from ddpkit.diagnostics.hang.report import format_run_report as format_report
 
 NOW = 1000.0
 

@@ -87,7 +87,7 @@ def time_launcher_tick(ticks: int = 200) -> None:
     import tempfile
     from pathlib import Path
 
-    from ddpkit.launch.hang_monitor import HangMonitor
+    from ddpkit.diagnostics.hang.monitor import HangMonitor
     from ddpkit.launch.stores import bound_store
 
     run_dir = Path(tempfile.mkdtemp())

@@ -21,5 +21,5 @@ def test_the_launchers_do_not_load_the_watchdog():
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = eval(done.stdout)  # the list printed above
-    assert "ddpkit.launch.hang_monitor" in loaded and "ddpkit.diagnostics.hang_report" in loaded, loaded
-    assert "ddpkit.diagnostics.hang" not in loaded, loaded
+    assert "ddpkit.diagnostics.hang.monitor" in loaded and "ddpkit.diagnostics.hang.report" in loaded, loaded
+    assert "ddpkit.diagnostics.hang.watchdog" not in loaded, loaded

@@ -1,7 +1,7 @@
 """Diagnostics: replica fingerprints (desync), hang attribution, CPU oversubscription.
 
-``HangWatchdog`` is imported on first use (PEP 562), so that the launcher, which imports the
-hang monitor's pieces from here (``hang_report``, ``hang_exchange``), never loads the watchdog.
+The hang system is the package ``hang/``. ``HangWatchdog`` is imported on first use (PEP 562),
+so that the launcher, which imports the hang monitor from ``hang/``, never loads the watchdog.
 """
 
 from ddpkit.diagnostics.consistency import check_same_config
@@ -22,7 +22,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     if name == "HangWatchdog":
-        from ddpkit.diagnostics.hang import HangWatchdog
+        from ddpkit.diagnostics.hang.watchdog import HangWatchdog
 
         return HangWatchdog
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,10 +18,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
-from ddpkit.diagnostics.hang_exchange import watchdog_verdict
+from ddpkit.diagnostics.hang.exchange import watchdog_verdict
+from ddpkit.diagnostics.hang.monitor import HangMonitor
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error, write_exit_stacks
-from ddpkit.launch.hang_monitor import HangMonitor
 from ddpkit.launch.rendezvous import checked_backend
 from ddpkit.launch.restarts import RestartLine
 from ddpkit.launch.stopping import GRACE_S, StopOnSignal, failure_grace, split_signals

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from ddpkit.diagnostics.hang_report import DUMP_STACKS
+from ddpkit.diagnostics.hang.report import DUMP_STACKS
 from ddpkit.errors import ConfigError
 from ddpkit.launch.boot_errors import CONFIG_ERROR, mentions_peer_gone
 

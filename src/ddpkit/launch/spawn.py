@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from ddpkit.diagnostics.hang_exchange import watchdog_verdict
+from ddpkit.diagnostics.hang.exchange import watchdog_verdict
 from ddpkit.errors import ConfigError
 from ddpkit.launch.boot_errors import is_peer_failure
 from ddpkit.launch.failures import LaunchError

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ddpkit.diagnostics.hang.workers import STACK_SIGNAL
 from ddpkit.dist import cpu_cores
-from ddpkit.launch.workerview import STACK_SIGNAL
 
 BOOT_DIR = Path(__file__).with_name("workerboot")  # holds the workers' sitecustomize.py
 REPORTS = ("hang-report.txt", "failure-report.txt")

@@ -4,12 +4,14 @@ The launcher puts this folder first on the workers' PYTHONPATH, so Python import
 while it starts, before the script. Only the worker process itself (the elastic agent's child,
 ``DDPKIT_AGENT_PID``, which it takes out of its environment) is changed; its own children
 (DataLoader workers, a script's subprocesses) just pass through. In the worker, each job is a
-module of ``ddpkit/launch``:
+module of ddpkit:
 
-- it dies with its launcher, also while it is still starting (``orphans.py``);
+- it dies with its launcher, also while it is still starting (``launch/orphans.py``);
 - faulthandler dumps its stacks when the launcher asks, and at SIGTERM, and with
-  ``DDPKIT_PROGRESS_S`` set a thread writes its collective count (``boot_progress.py``);
-- an uncaught exception reaches the launcher (``boot_errors.py``, loaded at the first one).
+  ``DDPKIT_PROGRESS_S`` set a thread writes its collective count
+  (``diagnostics/hang/boot_progress.py``; the hang system's files and variables:
+  ``diagnostics/hang/__init__.py``);
+- an uncaught exception reaches the launcher (``launch/boot_errors.py``, loaded at the first one).
 
 Then a sitecustomize of the user's own, further along sys.path, is run as Python would have.
 Every Python process of the job pays for this module, so it imports only the standard library and
@@ -25,16 +27,18 @@ import sys
 import threading
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE))  # ddpkit/
 _kept: list = []  # files faulthandler writes to: they must outlive this module's functions
 _progress: list = []  # the ProgressWriter, once started
+_BOOT_PROGRESS = "diagnostics/hang/boot_progress"
 WORKER = False  # True in a worker the launcher started (not in its descendants)
 
 
-def _load(name: str):
-    """``ddpkit/launch/NAME.py``, loaded by its path (as ``_ddpkit_NAME``) without the ddpkit package."""
-    key = f"_ddpkit_{name}"
+def _load(path: str):
+    """``ddpkit/PATH.py``, loaded by its path (as ``_ddpkit_NAME``) without the ddpkit package."""
+    key = f"_ddpkit_{os.path.basename(path)}"
     if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, os.path.join(os.path.dirname(_HERE), f"{name}.py"))
+        spec = importlib.util.spec_from_file_location(key, os.path.join(_PACKAGE, f"{path}.py"))
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module
         spec.loader.exec_module(module)
@@ -54,7 +58,7 @@ def resume_progress() -> None:
 
 
 def _start_progress(run_dir: str, rank: str, period_s: float) -> None:
-    _progress[:] = [_load("boot_progress").ProgressWriter(run_dir, rank, period_s)]
+    _progress[:] = [_load(_BOOT_PROGRESS).ProgressWriter(run_dir, rank, period_s)]
     resume_progress()
     # Stop before interpreter shutdown tears torch down under the thread: threading's own at-exit
     # hooks run before atexit's, while the main thread's modules are still alive.
@@ -65,7 +69,7 @@ def _start_progress(run_dir: str, rank: str, period_s: float) -> None:
 
 def _excepthook(previous, run_dir: str, rank: str):
     def hook(exc_type, exc, tb):
-        _load("boot_errors").on_uncaught(previous, run_dir, rank, exc_type, exc, tb)
+        _load("launch/boot_errors").on_uncaught(previous, run_dir, rank, exc_type, exc, tb)
 
     return hook
 
@@ -87,9 +91,9 @@ def _main() -> None:
     agent = env.pop("DDPKIT_AGENT_PID", None)
     if agent is None or "RANK" not in env:
         return  # not a worker the launcher started: a descendant, or a process outside ddpkit run
-    _load("orphans").die_with_parent(expected_parent=int(agent))
+    _load("launch/orphans").die_with_parent(expected_parent=int(agent))
     run_dir, rank = env["DDPKIT_RUN_DIR"], env["RANK"]
-    _kept.extend(_load("boot_progress").register_stacks(run_dir, rank, int(env["DDPKIT_STACK_SIGNAL"])))
+    _kept.extend(_load(_BOOT_PROGRESS).register_stacks(run_dir, rank, int(env["DDPKIT_STACK_SIGNAL"])))
     sys.excepthook = _excepthook(sys.excepthook, run_dir, rank)
     global WORKER
     WORKER = True  # ddpkit.launch.uncaught leaves this worker's uncaught exceptions to the hook above

@@ -1,10 +1,10 @@
 """The launcher's hang monitor: ``ddpkit run --collective-timeout S`` for scripts that know nothing of it.
 
 A daemon thread beside torch's elastic agent, in the launcher process, which user code cannot
-block. Every ``poll_s`` it reads its node's workers (``workerview.WorkerProgress``) and speaks for
-them in the round's worker store (``diagnostics/hang_exchange.py``, a node as the party): its
+block. Every ``poll_s`` it reads its node's workers (``workers.WorkerProgress``) and speaks for
+them in the round's worker store (``exchange.py``, a node as the party): its
 answer is faulthandler's dump of each rank's threads, and it kills its workers once it reads the
-summary. Node 0 hosts the store, so it decides (``hang_state.find_hang``), writes
+summary. Node 0 hosts the store, so it decides (``record.find_hang``), writes
 ``RUN_DIR/hang-report.txt`` and ends the round; the agent then restarts the workers or fails, and
 the launcher names the hang from the summary, never from an exit code a script could also use.
 """
@@ -21,20 +21,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.hang_exchange import (
-    STORE_TIMEOUT_S,
-    DirectStore,
-    Exchange,
-    own_client,
-)
-from ddpkit.diagnostics.hang_report import format_run_report, write_report
-from ddpkit.diagnostics.hang_state import auto_timeout, find_hang
+from ddpkit.diagnostics.hang.exchange import RUN_PREFIX, Exchange, own_client
+from ddpkit.diagnostics.hang.record import auto_timeout, find_hang
+from ddpkit.diagnostics.hang.report import format_run_report, write_report
+from ddpkit.diagnostics.hang.timings import TIMINGS
+from ddpkit.diagnostics.hang.workers import WorkerProgress, dump_stacks, is_our_worker
 from ddpkit.launch.boot_errors import CONFIG_ERROR
-from ddpkit.launch.workerview import WorkerProgress, dump_stacks, is_our_worker
 
-ANSWER_S = 6.0  # how long node 0 waits for the other nodes' stacks
-ACK_S = 10.0  # how long node 0 keeps the store up for the other nodes to read a verdict
-QUIET_S = 10.0  # after a failed store call, how long to wait before the next
 AUTO_SOURCE = "90% of the script's process-group timeout; --collective-timeout S sets another"
 
 
@@ -43,7 +36,7 @@ class HangMonitor:
 
     Args:
         run_dir: the run directory the workers write their progress and stacks to.
-        timeout_s: ``--collective-timeout``: seconds a collective may take; None: ``AUTO_SHARE`` of
+        timeout_s: ``--collective-timeout``: seconds a collective may take; None: ``auto_share`` of
             the script's own process-group timeout; 0: no monitoring.
         poll_s: how often to look.
         announce: print the verdict when it is reached (restarts follow; else the failure says it).
@@ -53,7 +46,7 @@ class HangMonitor:
         self,
         run_dir: Path,
         timeout_s: float | None,
-        poll_s: float = 1.0,
+        poll_s: float = TIMINGS.poll_s,
         announce: bool = False,
         new_round: Callable[[int], None] | None = None,
     ) -> None:
@@ -91,7 +84,8 @@ class HangMonitor:
                 path.unlink(missing_ok=True)
         clone = own_client(store)
         generation = self._round[3] + 1 if self._round else 1
-        self._round = (node_rank, nnodes, Exchange(DirectStore(clone), node_rank), generation)
+        exchange = Exchange(dist.PrefixStore(RUN_PREFIX, clone), node_rank)
+        self._round = (node_rank, nnodes, exchange, generation)
         self.worker_store, self._host_store = clone, store
         if self.new_round is not None:
             self.new_round(generation)
@@ -104,7 +98,8 @@ class HangMonitor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.poll_s + ANSWER_S + ACK_S + STORE_TIMEOUT_S)
+            t = TIMINGS
+            self._thread.join(timeout=self.poll_s + t.launcher_answer_s + t.ack_s + t.store_timeout_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -115,7 +110,7 @@ class HangMonitor:
             except RuntimeError:
                 # DistError: node 0, the store's host, is gone or cut off. Each failed call prints
                 # torch's C++ trace, so try again only now and then; the agent will notice.
-                self._quiet_until = time.monotonic() + QUIET_S
+                self._quiet_until = time.monotonic() + TIMINGS.quiet_s
 
     def _tick(self) -> None:
         if self._round is None:
@@ -141,7 +136,7 @@ class HangMonitor:
             if self._ended:
                 # Keep node 0's store up until every node has read the verdict: a node whose rank
                 # spins in Python would otherwise never learn that the job is over.
-                exchange.await_acks(nnodes, ACK_S)
+                exchange.await_acks(nnodes, TIMINGS.ack_s)
 
     def _decide(self, exchange: Exchange, world: int) -> None:
         states = exchange.states(range(world))
@@ -153,7 +148,8 @@ class HangMonitor:
         # Every rank's stack: this node's directly, the others' through their launchers.
         exchange.request()
         stacks = dump_stacks(self.run_dir, self._local.pids())
-        for rank, (_, stack) in exchange.answers(set(range(world)) - set(stacks), ANSWER_S, 0.2).items():
+        others = set(range(world)) - set(stacks)
+        for rank, (_, stack) in exchange.answers(others, TIMINGS.launcher_answer_s).items():
             stacks[rank] = stack
         write_report(
             self.report_path, format_run_report(summary, timeout, world, states, stacks, time.time(), source)

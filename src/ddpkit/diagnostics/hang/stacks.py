@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import linecache
-import logging
-import pickle
 import sys
 import traceback
 
-log = logging.getLogger(__name__)
+from ddpkit.diagnostics.hang.boot_progress import flight_entries
 
 
 def thread_stack(ident: int) -> str:
@@ -24,34 +22,6 @@ def thread_stack(ident: int) -> str:
     if frame is None:
         return "(thread has ended)\n"
     return "".join(traceback.format_stack(frame))
-
-
-def flight_entries(group_name: str) -> list[dict]:
-    """The flight recorder's entries of group ``group_name``'s collectives, oldest first.
-
-    The recorder keeps the last collectives of every group (on by default for gloo and NCCL in
-    torch 2.13; TORCH_FR_BUFFER_SIZE sets how many, 2000 by default). A dump takes about 0.2 ms
-    with a few entries and some 50 ms with 2000, so it is taken when a rank has been idle a while
-    or a hang is being reported, never per step. Point-to-point entries are left out: a send and
-    its recv share a sequence number under different names. Returns [] when the recorder is off
-    or unavailable.
-
-    Args:
-        group_name: the process group's ``group_name`` ("0" for the default group).
-    """
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        entries = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False))
-    except Exception as exc:  # private API: a missing or changed recorder only costs the op name
-        log.debug("flight recorder unavailable: %s", exc)
-        return []
-    ours = [
-        entry
-        for entry in entries.get("entries", [])
-        if entry.get("process_group", ("",))[0] == group_name and not entry.get("is_p2p", False)
-    ]
-    return sorted(ours, key=lambda entry: entry.get("record_id", 0))  # a wrapped ring, in order
 
 
 def inflight_op(group_name: str, seq: int) -> str:

@@ -1,6 +1,6 @@
 """The hang report: which ranks have not reached which collective, and where every rank is.
 
-One report (``Report``) over the one record and the one attribution (``hang_state``), whichever
+One report (``report_text``) over the one record and the one attribution (``record.py``), whichever
 collector filled the record; a rank's line shows what its collector could see (``rank_line``).
 Pure formatting, tested without processes.
 """
@@ -10,19 +10,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.diagnostics.hang_state import Attribution, RankState, collective, ranks_text
+from ddpkit.diagnostics.hang.record import Attribution, RankState, collective, ranks_text
+from ddpkit.diagnostics.hang.timings import TIMINGS
 
 log = logging.getLogger(__name__)
 
 NO_ANSWER = "no answer: stopped (SIGSTOP), dead, or holding the GIL"
 NO_STATE = "never reported (not started, or its node's launcher is gone)"
-THREAD_STACK = "stack of rank {} (main thread, innermost call last):"  # hang.py: thread_stack()
+THREAD_STACK = "stack of rank {} (main thread, innermost call last):"  # stacks.thread_stack()
 DUMP_STACKS = "stacks of rank {} (every thread, most recent call first):"  # faulthandler's dump
 NOT_ASKED = "(no stack: the rank could not be asked)"
-STALE_S = 15.0  # a launcher silent this long has lost its node, or the network to it
 
 
 def rank_line(rank: int, state: RankState | None, now_wall: float, newest: int, answered: bool) -> str:
@@ -62,13 +61,18 @@ def _outside_where(state: RankState, newest: int) -> str:
 
 
 def _outside_process(state: RankState, now_wall: float) -> str:
-    if (silent := state.silent_s(now_wall)) > STALE_S:
+    if (silent := state.silent_s(now_wall)) > TIMINGS.stale_s:
         return f"not heard from for {silent:.0f} s: its node, or the network to {state.host}, is unreachable"
     return state.proc
 
 
-@dataclass(frozen=True)
-class Report:
+def report_text(
+    headline: Sequence[str],
+    attribution: Sequence[str],
+    states: Mapping[int, RankState | None],
+    stacks: Mapping[int, str],
+    now_wall: float,
+) -> str:
     """One hang report: a headline, the attribution, one line per rank, then the stacks.
 
     Args:
@@ -79,26 +83,18 @@ class Report:
             listed rank gets faulthandler's dump of every thread, or why there is none.
         now_wall: ``time.time()`` when the report was made.
     """
-
-    headline: Sequence[str]
-    attribution: Sequence[str]
-    states: Mapping[int, RankState | None]
-    stacks: Mapping[int, str]
-    now_wall: float
-
-    def text(self) -> str:
-        known = [s for s in self.states.values() if s is not None]
-        newest = max((s.seq for s in known), default=-1)
-        outside = any(s.outside for s in known)
-        first, *more = self.headline
-        lines = [f"ddpkit hang report: {first}", *more, *self.attribution, "", "ranks:"]
-        for rank, state in sorted(self.states.items()):
-            lines.append(f"  {rank_line(rank, state, self.now_wall, newest, rank in self.stacks)}")
-        stacks = {r: self.stacks.get(r, NOT_ASKED) for r in self.states} if outside else self.stacks
-        for rank in sorted(stacks):
-            title = (DUMP_STACKS if outside else THREAD_STACK).format(rank)
-            lines += ["", title, stacks[rank].rstrip("\n")]
-        return "\n".join(lines) + "\n"
+    known = [s for s in states.values() if s is not None]
+    newest = max((s.seq for s in known), default=-1)
+    outside = any(s.outside for s in known)
+    first, *more = headline
+    lines = [f"ddpkit hang report: {first}", *more, *attribution, "", "ranks:"]
+    for rank, state in sorted(states.items()):
+        lines.append(f"  {rank_line(rank, state, now_wall, newest, rank in stacks)}")
+    shown = {r: stacks.get(r, NOT_ASKED) for r in states} if outside else stacks
+    for rank in sorted(shown):
+        title = (DUMP_STACKS if outside else THREAD_STACK).format(rank)
+        lines += ["", title, shown[rank].rstrip("\n")]
+    return "\n".join(lines) + "\n"
 
 
 def attribute(states: Mapping[int, RankState], world_size: int) -> list[str]:
@@ -169,13 +165,13 @@ def format_report(
     """
     listed = sorted(states) if alone else range(world_size)
     timed_out = f"rank {reporter} made no progress for {timeout_s:g} s ({source})"
-    return Report(
+    return report_text(
         headline=headline or [timed_out],
         attribution=[alone] if alone else attribute(states, world_size),
         states={r: states.get(r) for r in listed},
         stacks=stacks,
         now_wall=now_wall,
-    ).text()
+    )
 
 
 def format_run_report(
@@ -189,13 +185,13 @@ def format_run_report(
 ) -> str:
     """The launcher's report, as text: ``format_report``'s arguments, but ``find_hang``'s line
     (``summary``) is the attribution and ``stacks`` are faulthandler's dumps (or why none)."""
-    return Report(
+    return report_text(
         headline=[f"a collective did not complete within {timeout_s:g} s ({source})"],
         attribution=[summary],
         states={r: states.get(r) for r in range(world)},
         stacks=stacks,
         now_wall=now_wall,
-    ).text()
+    )
 
 
 def write_report(path: Path, text: str) -> None:

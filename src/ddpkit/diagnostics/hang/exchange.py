@@ -16,17 +16,18 @@ this file alone knows them):
     ack/NODE     a launcher has read the summary (node 0 keeps its store up until then).
 
 Each party calls its own client (``own_client``): a watchdog through a ``BoundedStore``, whose
-calls return None rather than block, a launcher through a ``DirectStore``, whose failures raise.
+calls return None rather than block, a launcher straight (under ``RUN_PREFIX``), whose failures raise.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
@@ -35,26 +36,18 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.hang_state import RankState
-from ddpkit.errors import ConfigError
+from ddpkit.diagnostics.hang.record import RankState
+from ddpkit.diagnostics.hang.timings import TIMINGS
 
 log = logging.getLogger(__name__)
 
 STORE_PREFIX = "ddpkit/hang"
-STORE_TIMEOUT_S = 5.0
 RUN_PREFIX = "ddpkit/run"
 REPORTER, REQUEST, SUMMARY = "reporter", "request", "summary"
+STORE_METHODS = frozenset({"set", "get", "check", "add", "multi_get", "delete_key"})
 
 
-def state_key(rank: int) -> str:
-    return f"state/{rank}"
-
-
-def answer_key(rank: int) -> str:
-    return f"answer/{rank}"
-
-
-def own_client(store: dist.Store, timeout_s: float = STORE_TIMEOUT_S) -> dist.Store:
+def own_client(store: dist.Store, timeout_s: float = TIMINGS.store_timeout_s) -> dist.Store:
     """A client of ``store``'s server for a hang collector alone.
 
     The main thread may be inside a store call (new_group, a store barrier) when the collector
@@ -71,13 +64,6 @@ def own_client(store: dist.Store, timeout_s: float = STORE_TIMEOUT_S) -> dist.St
     return clone
 
 
-def watchdog_store() -> dist.Store:
-    """The watchdog's own client of the default group's store."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError("HangWatchdog needs a process group: call ddpkit.init_distributed() first")
-    return own_client(dist.distributed_c10d._get_default_store())
-
-
 class BoundedStore:
     """Store calls that give up after ``timeout_s`` instead of blocking the caller forever.
 
@@ -85,14 +71,15 @@ class BoundedStore:
     ``ddpkit.launch``) waits for the reply forever: the store's timeout bounds ``get`` and
     ``wait``, not every call. So calls run on one daemon worker thread and the caller waits at
     most ``timeout_s``; while an earlier call is still stuck on that worker, every call fails at
-    once. Failures return None.
+    once. Failures return None. It is called as a store is (``bounded.set(key, value)``), or by
+    the method's name (``bounded.call("set", key, value)``).
 
     Args:
         store: the store to call, prefixed with ``STORE_PREFIX``.
         timeout_s: how long one call may take.
     """
 
-    def __init__(self, store: dist.Store, timeout_s: float = STORE_TIMEOUT_S) -> None:
+    def __init__(self, store: dist.Store, timeout_s: float = TIMINGS.store_timeout_s) -> None:
         self.store, self.timeout_s = dist.PrefixStore(STORE_PREFIX, store), timeout_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._last: Future | None = None
@@ -106,6 +93,11 @@ class BoundedStore:
                 future.set_result(getattr(self.store, method)(*args))
             except Exception as exc:
                 future.set_exception(exc)
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method not in STORE_METHODS:
+            raise AttributeError(f"BoundedStore has no store method {method!r}")
+        return functools.partial(self.call, method)
 
     def call(self, method: str, *args: Any) -> Any:
         """``store.<method>(*args)``, or None when it fails or takes longer than ``timeout_s``."""
@@ -128,66 +120,56 @@ class BoundedStore:
         self._calls.put(None)
 
 
-class DirectStore:
-    """The launcher's store under ``RUN_PREFIX``, called as a ``BoundedStore`` is; failures raise."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store = dist.PrefixStore(RUN_PREFIX, store)
-
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.store, method)(*args)
-
-
 class Exchange:
     """One party's side of the conversation.
 
     Args:
-        store: a watchdog's ``BoundedStore``, or a launcher's ``DirectStore``.
+        store: a watchdog's ``BoundedStore``, or a launcher's own client under ``RUN_PREFIX``.
         party: this rank (a watchdog) or this node (a launcher).
     """
 
-    def __init__(self, store: BoundedStore | DirectStore, party: int) -> None:
+    def __init__(self, store: BoundedStore | dist.Store, party: int) -> None:
         self.store, self.party = store, party
         self.answered = False  # this party answered a request, or made it
 
     def _get_if_set(self, key: str) -> bytes | None:
         """The value of ``key``, or None when it is not set; never waits for it to appear."""
-        return self.store.call("get", key) if self.store.call("check", [key]) else None
+        return self.store.get(key) if self.store.check([key]) else None
 
     def publish(self, state: RankState) -> None:
-        self.store.call("set", state_key(state.rank), state.to_json())
+        self.store.set(f"state/{state.rank}", state.to_json())
 
     def asked(self) -> bool:
         """True the first time this party sees a reporter's request, which it must answer."""
-        if self.answered or not self.store.call("check", [REQUEST]):
+        if self.answered or not self.store.check([REQUEST]):
             return False
         self.answered = True
         return True
 
     def answer(self, state: RankState, stack: str) -> None:
         payload = {"state": asdict(state), "stack": stack}
-        self.store.call("set", answer_key(state.rank), json.dumps(payload))
+        self.store.set(f"answer/{state.rank}", json.dumps(payload))
 
     def claim(self) -> int | None:
         """1 when this rank is the reporter; more when another rank is; None: no store."""
-        return self.store.call("add", REPORTER, 1)
+        return self.store.add(REPORTER, 1)
 
     def reporter(self) -> int | None:
         """The reporting party, from ``request``; None when it cannot be read."""
-        raw = self.store.call("get", REQUEST)
+        raw = self.store.get(REQUEST)
         return int(raw) if raw else None
 
     def states(self, ranks: Iterable[int]) -> dict[int, RankState]:
         """The last published state of each of ``ranks`` that published one."""
-        raws = {rank: self._get_if_set(state_key(rank)) for rank in ranks}
+        raws = {rank: self._get_if_set(f"state/{rank}") for rank in ranks}
         return {rank: RankState.from_json(raw) for rank, raw in raws.items() if raw is not None}
 
     def request(self) -> None:
         """The reporter asks every other party for its ranks' answers."""
         self.answered = True
-        self.store.call("set", REQUEST, str(self.party))
+        self.store.set(REQUEST, str(self.party))
 
-    def answers(self, ranks: Iterable[int], wait_s: float, poll_s: float) -> dict[int, tuple[RankState, str]]:
+    def answers(self, ranks: Iterable[int], wait_s: float) -> dict[int, tuple[RankState, str]]:
         """The answers of ``ranks``, waited for up to ``wait_s`` (they come at each party's next poll).
 
         Returns:
@@ -197,16 +179,16 @@ class Exchange:
         deadline = time.monotonic() + wait_s
         while pending and time.monotonic() < deadline:
             for rank in sorted(pending):
-                if (raw := self._get_if_set(answer_key(rank))) is not None:
+                if (raw := self._get_if_set(f"answer/{rank}")) is not None:
                     answer = json.loads(raw)
                     found[rank] = (RankState(**answer["state"]), answer["stack"])
                     pending.discard(rank)
-            time.sleep(min(0.1, poll_s))
+            time.sleep(TIMINGS.recheck_s)
         return found
 
     def summarize(self, line: str, path: str) -> None:
         """The one line and the report's path, for the launchers."""
-        self.store.call("set", SUMMARY, json.dumps({"reporter": self.party, "line": line, "path": path}))
+        self.store.set(SUMMARY, json.dumps({"reporter": self.party, "line": line, "path": path}))
 
     def summary(self) -> str | None:
         """The reporter's line, once it wrote one."""
@@ -214,14 +196,14 @@ class Exchange:
         return json.loads(raw)["line"] if raw is not None else None
 
     def ack(self) -> None:
-        self.store.call("set", f"ack/{self.party}", "1")
+        self.store.set(f"ack/{self.party}", "1")
 
     def await_acks(self, parties: int, wait_s: float) -> None:
         """Wait until every other party has read the summary, or ``wait_s`` passed."""
         deadline = time.monotonic() + wait_s
         keys = [f"ack/{party}" for party in range(parties) if party != self.party]
-        while not self.store.call("check", keys) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(TIMINGS.ack_recheck_s)
 
 
 def watchdog_verdict(store: dist.Store | None) -> str | None:

@@ -43,9 +43,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from ddpkit.diagnostics.hang_exchange import BoundedStore
-from ddpkit.diagnostics.hang_state import ranks_text
-from ddpkit.diagnostics.stacks import flight_entries, user_frame
+from ddpkit.diagnostics.hang.boot_progress import flight_entries
+from ddpkit.diagnostics.hang.exchange import BoundedStore
+from ddpkit.diagnostics.hang.record import ranks_text
+from ddpkit.diagnostics.hang.stacks import user_frame
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def blocked_record(
 
     Args:
         entries: the flight recorder's collective entries of the default group, oldest first
-            (``stacks.flight_entries``). For gloo, ``state`` stays ``"scheduled"`` whatever
+            (``boot_progress.flight_entries``). For gloo, ``state`` stays ``"scheduled"`` whatever
             happens (torch 2.13); ``retired`` turns True when the collective completes.
         rank: this rank.
         where: the user's line its main thread is at.
@@ -164,14 +165,6 @@ def desync_headline(records: Sequence[Blocked], desync_s: float) -> list[str]:
         desync_line(records),
         f"every rank has waited over {desync_s:g} s in its collective (desync_timeout); {FIX}",
     ]
-
-
-def blocked_key(rank: int) -> str:
-    return f"blocked/{rank}"
-
-
-def record_key(rank: int) -> str:
-    return f"record/{rank}"
 
 
 class DesyncProbe:
@@ -246,16 +239,16 @@ class DesyncProbe:
             # The user's line, read once per blocked collective: the stack walk needs the GIL.
             where = user_frame(self.main_ident)
             record = Blocked(record.rank, record.seq, record.op, record.ops, where, since_wall)
-            self.store.call("set", record_key(self.rank), record.to_json())
+            self.store.set(f"record/{self.rank}", record.to_json())
             self._published = record
-        self.store.call("set", blocked_key(self.rank), "1")  # again: a failed set must not stick
+        self.store.set(f"blocked/{self.rank}", "1")  # again: a failed set must not stick
         return True
 
     def _compare(self) -> list[Blocked] | None:
-        keys = [blocked_key(rank) for rank in range(self.world_size)]
-        if not self.store.call("check", keys):  # one call, true only when every rank is blocked
+        keys = [f"blocked/{rank}" for rank in range(self.world_size)]
+        if not self.store.check(keys):  # one call, true only when every rank is blocked
             return None
-        raws = self.store.call("multi_get", [record_key(rank) for rank in range(self.world_size)])
+        raws = self.store.multi_get([f"record/{rank}" for rank in range(self.world_size)])
         if raws is None:
             return None
         records = {r.rank: r for r in map(Blocked.from_json, raws)}
@@ -264,5 +257,5 @@ class DesyncProbe:
     def clear(self) -> None:
         """Withdraw this rank's record (it made progress, its collective completed, or it stops)."""
         if self._published is not None:
-            self.store.call("delete_key", blocked_key(self.rank))
+            self.store.delete_key(f"blocked/{self.rank}")
             self._published = None

@@ -1,8 +1,8 @@
 """The one record of a rank's progress, the one attribution over the records, and how each
 collector decides that the job is stuck.
 
-Both collectors fill ``RankState``: the watchdog thread inside a rank (``hang.py``, under
-``ddpkit.Run`` and the Trainer) and the launcher from outside (``launch/workerview.py``, under
+Both collectors fill ``RankState``: the watchdog thread inside a rank (``watchdog.py``, under
+``ddpkit.Run`` and the Trainer) and the launcher from outside (``workers.py``, under
 ``ddpkit run`` for scripts that know nothing of ddpkit, from what the worker's boot hook writes).
 Both note when a rank last changed with ``Progress``. A watchdog decides from its own rank's idle
 time; the launcher, which sees every rank of its node from outside, with ``find_hang``.
@@ -27,11 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ddpkit.diagnostics.hang.timings import TIMINGS
+
 IDLE_CPU = 0.1  # share of one core below which a rank that made no progress is waiting, not working
-# Without --collective-timeout: this share of the script's own process-group timeout, so that the
-# report comes before torch's timeout error, and nothing torch would let wait is ended.
-AUTO_SHARE = 0.9
-TORCH_DEFAULT_TIMEOUT_S = 1800.0  # gloo's, when a rank's group timeout could not be read
 
 
 @dataclass(frozen=True)
@@ -73,11 +71,6 @@ class RankState:
     proc: str = ""
     heard_wall: float = 0.0
     group_timeout_s: float = 0.0
-
-    @classmethod
-    def from_outside(cls, *, idle_s: float, heard_wall: float, **fields: Any) -> RankState:
-        """The record a launcher makes: no progress for ``idle_s`` when it looked, at ``heard_wall``."""
-        return cls(progress_wall=heard_wall - idle_s, heard_wall=heard_wall, **fields)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -149,8 +142,9 @@ class Progress:
         )
 
 
-# The launcher's constructor of the one record (the name its callers and tests know).
-WorkerState = RankState.from_outside
+def outside_state(*, idle_s: float, heard_wall: float, **fields: Any) -> RankState:
+    """The record a launcher makes: no progress for ``idle_s`` when it looked, at ``heard_wall``."""
+    return RankState(progress_wall=heard_wall - idle_s, heard_wall=heard_wall, **fields)
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -254,6 +248,6 @@ def _blocked(state: RankState, now_wall: float) -> bool:
 
 
 def auto_timeout(states: Mapping[int, RankState]) -> float:
-    """The launcher's collective timeout when none was given: ``AUTO_SHARE`` of the ranks' group timeout."""
+    """The launcher's collective timeout when none was given: ``auto_share`` of the ranks' group timeout."""
     timeouts = [s.group_timeout_s for s in states.values() if s.group_timeout_s > 0]
-    return AUTO_SHARE * (max(timeouts) if timeouts else TORCH_DEFAULT_TIMEOUT_S)
+    return TIMINGS.auto_share * (max(timeouts) if timeouts else TIMINGS.torch_default_timeout_s)

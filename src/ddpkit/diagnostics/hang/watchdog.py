@@ -3,7 +3,7 @@
 Every rank runs a ``HangWatchdog``: a daemon thread that watches the rank's own progress (the
 default group's collective sequence number, which gloo and NCCL advance when a collective is
 issued, and the phase the training loop last announced with ``phase()``) and publishes it in the
-rendezvous store whenever it changes (the keys: ``hang_exchange``). Each watchdog thread goes
+rendezvous store whenever it changes (the keys: ``exchange.py``). Each watchdog thread goes
 through these states:
 
     watching --(own idle >= timeout_s; store.add(REPORTER) == 1)--> reporting
@@ -32,12 +32,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.desync import Blocked, DesyncProbe, desync_headline, desync_line
 from ddpkit.diagnostics.exit_codes import HANG_EXIT_CODE
-from ddpkit.diagnostics.hang_exchange import STORE_TIMEOUT_S, BoundedStore, Exchange, watchdog_store
-from ddpkit.diagnostics.hang_report import format_report, summary_line, write_report
-from ddpkit.diagnostics.hang_state import Progress, RankState
-from ddpkit.diagnostics.stacks import inflight_op, thread_stack
+from ddpkit.diagnostics.hang.boot_progress import default_store, sequence_number
+from ddpkit.diagnostics.hang.desync import Blocked, DesyncProbe, desync_headline, desync_line
+from ddpkit.diagnostics.hang.exchange import BoundedStore, Exchange, own_client
+from ddpkit.diagnostics.hang.record import Progress, RankState
+from ddpkit.diagnostics.hang.report import format_report, summary_line, write_report
+from ddpkit.diagnostics.hang.stacks import inflight_op, thread_stack
+from ddpkit.diagnostics.hang.timings import TIMINGS
 from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 
@@ -75,17 +77,17 @@ class HangWatchdog:
             the larger of the two applies (torchtitan's init and train timeouts).
     """
 
-    follow_s = 10.0  # extra seconds a following rank waits for its launcher before exiting itself
+    follow_s = TIMINGS.follow_s  # a subclass may shorten it
 
     def __init__(
         self,
         env: DistEnv,
         timeout_s: float,
         *,
-        poll_s: float = 1.0,
+        poll_s: float = TIMINGS.poll_s,
         report_path: Path | str | None = None,
         store: dist.Store | None = None,
-        desync_s: float = 30.0,
+        desync_s: float = TIMINGS.desync_s,
         startup_s: float = 0.0,
     ) -> None:
         if not timeout_s > 0:
@@ -98,7 +100,7 @@ class HangWatchdog:
         self.desync_s, self._probe = float(desync_s), None
         self.startup_s, self._steady = float(startup_s), False
         self.report_path = Path(report_path) if report_path is not None else None
-        self.answer_s = 2 * self.poll_s + 2.0  # answers come at the next poll of each rank
+        self.answer_s = 2 * self.poll_s + TIMINGS.answer_margin_s
         self._given_store = store
         self._store: BoundedStore | None = None
         self._exchange: Exchange | None = None
@@ -142,13 +144,16 @@ class HangWatchdog:
         self._main_ident = threading.get_ident()
         initialized = dist.is_available() and dist.is_initialized()
         self._group = dist.group.WORLD if initialized else None
-        self._store = BoundedStore(self._given_store if self._given_store is not None else watchdog_store())
+        if self._given_store is None and self._group is None:
+            raise ConfigError("HangWatchdog needs a process group: call ddpkit.init_distributed() first")
+        given = self._given_store
+        self._store = BoundedStore(given if given is not None else own_client(default_store()))
         self._exchange = Exchange(self._store, self.env.rank)
         self._probe = None
         if self.desync_s and self._group is not None:
             # A blocked rank compares every desync_s / 10, at least a poll apart: the report comes
             # seconds after desync_s, and each check is two or three store calls per blocked rank.
-            check_s = max(self.poll_s, self.desync_s / 10)
+            check_s = max(self.poll_s, self.desync_s * TIMINGS.desync_check_share)
             args = (self._group.group_name, self.desync_s, check_s, self._store, self._main_ident)
             self._probe = DesyncProbe(self.env.rank, self.env.world_size, *args)
         self._progress = Progress(time.monotonic())
@@ -164,7 +169,7 @@ class HangWatchdog:
         if thread is None:
             return
         self._stop.set()
-        thread.join(timeout=self.poll_s + 2 * STORE_TIMEOUT_S)
+        thread.join(timeout=self.poll_s + 2 * TIMINGS.store_timeout_s)
         self._store.close()
 
     def __enter__(self) -> HangWatchdog:
@@ -208,10 +213,8 @@ class HangWatchdog:
     def _sequence_number(self) -> int:
         if self._group is None:
             return 0
-        try:
-            return self._group._get_sequence_number_for_group()
-        except RuntimeError:  # group destroyed under a watchdog that was not stopped
-            return max(self._progress.seq, 0)
+        seq = sequence_number(self._group)  # -1: the group was destroyed under a running watchdog
+        return seq if seq >= 0 else max(self._progress.seq, 0)
 
     def _fresh_state(self, now: float) -> RankState:
         state = self._progress.state(self.env.rank, now)
@@ -248,7 +251,7 @@ class HangWatchdog:
         if not alone:
             self._exchange.request()
             peers = set(range(size)) - {rank}
-            for peer, (state, stack) in self._exchange.answers(peers, self.answer_s, self.poll_s).items():
+            for peer, (state, stack) in self._exchange.answers(peers, self.answer_s).items():
                 states[peer], stacks[peer] = state, stack
             states = {**self._exchange.states(set(range(size)) - set(states)), **states}
             path = str(self.report_path) if self.report_path is not None else ""

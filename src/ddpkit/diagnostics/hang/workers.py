@@ -1,8 +1,8 @@
 """What a launcher sees of its own workers: progress files, /proc, and faulthandler's stack dumps.
 
 The files live in the run directory the launcher made; the workers' boot hook writes them
-(``ddpkit/launch/workerboot``, with ``boot_progress.py``). Nothing here touches the workers but a
-signal.
+(``launch/workerboot/sitecustomize.py``, with ``boot_progress.py``). Nothing here touches the
+workers but a signal.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ddpkit.diagnostics.hang_state import Progress, RankState
-from ddpkit.launch.boot_progress import THREAD_FUNCTION
+from ddpkit.diagnostics.hang.boot_progress import THREAD_FUNCTION
+from ddpkit.diagnostics.hang.record import Progress, RankState, outside_state
+from ddpkit.diagnostics.hang.timings import TIMINGS
 
 # A real-time signal: no script or library uses one for itself (macOS has none: SIGUSR2 there).
 STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
@@ -29,25 +30,17 @@ PROC_STATES = {
 }
 
 
-@dataclass(frozen=True)
-class ProgressLine:
-    """One line of ``progress-RANK``: ``PID SEQ WALL LEFT WORLD TIMEOUT`` (``launch/boot_progress.py``)."""
-
-    pid: int
-    seq: int
-    left: bool
-    world: int
-    group_timeout_s: float
-
-
-def read_progress(run_dir: Path) -> dict[int, ProgressLine]:
-    """Each local rank's last record; a file caught mid-write is read again at the next poll."""
+def read_progress(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Each local rank's last ``progress-RANK`` record (``PID SEQ WALL LEFT WORLD TIMEOUT``,
+    ``boot_progress.py``), as ``RankState`` fields; a file caught mid-write is read again at the
+    next poll."""
     found = {}
     for path in run_dir.glob("progress-*"):
         try:
             pid, seq, _, left, world, timeout = path.read_text().split()
-            progress = ProgressLine(int(pid), int(seq), left == "1", int(world), float(timeout))
-            found[int(path.name.split("-")[1])] = progress
+            found[int(path.name.split("-")[1])] = dict(
+                pid=int(pid), seq=int(seq), left=left == "1", world=int(world), group_timeout_s=float(timeout)
+            )
         except (OSError, ValueError):
             continue
     return found
@@ -90,32 +83,29 @@ class WorkerProgress:
             for rank, progress in read_progress(self.run_dir).items()
         }
 
-    def _state(self, rank: int, progress: ProgressLine, now_mono: float, now_wall: float) -> RankState:
-        stat = proc_stat(progress.pid) if is_our_worker(progress.pid) else None
+    def _state(self, rank: int, progress: dict[str, Any], now_mono: float, now_wall: float) -> RankState:
+        pid = progress["pid"]
+        stat = proc_stat(pid) if is_our_worker(pid) else None
         cpu = stat[1] if stat else 0.0
         # A restarted worker is another process: its progress starts afresh.
-        since = self._since.setdefault((rank, progress.pid), Progress(now_mono, cpu))
-        since.observe(progress.seq, None, now_mono, cpu)
-        return RankState.from_outside(
+        since = self._since.setdefault((rank, pid), Progress(now_mono, cpu))
+        since.observe(progress["seq"], None, now_mono, cpu)
+        return outside_state(
             idle_s=since.idle(now_mono),
             heard_wall=now_wall,
             rank=rank,
-            seq=progress.seq,
-            pid=progress.pid,
             host=self.host,
-            left=progress.left,
-            world=progress.world,
             cpu_s=max(0.0, cpu - since.cpu_s),
             proc=PROC_STATES.get(stat[0], stat[0]) if stat else "exited",
-            group_timeout_s=progress.group_timeout_s,
+            **progress,
         )
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of each local worker that is still our child."""
-        return {r: p.pid for r, p in read_progress(self.run_dir).items() if is_our_worker(p.pid)}
+        return {r: p["pid"] for r, p in read_progress(self.run_dir).items() if is_our_worker(p["pid"])}
 
 
-def dump_stacks(run_dir: Path, pids: dict[int, int], wait_s: float = 3.0) -> dict[int, str]:
+def dump_stacks(run_dir: Path, pids: dict[int, int], wait_s: float = TIMINGS.dump_wait_s) -> dict[int, str]:
     """Every thread's stack of each local rank, through faulthandler; or why there is none.
 
     Args:
@@ -139,7 +129,7 @@ def dump_stacks(run_dir: Path, pids: dict[int, int], wait_s: float = 3.0) -> dic
     deadline = time.monotonic() + wait_s
     pending = set(pids) - set(stacks)
     while pending and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(TIMINGS.recheck_s)
         for rank in sorted(pending):
             text = _grown(run_dir / f"stacks-{rank}.txt", sizes[rank])
             if text is not None:
@@ -163,7 +153,7 @@ def _grown(path: Path, since: int) -> str | None:
         f.seek(since)
         added = f.read()
     # faulthandler writes a dump in many small writes: take it once one short wait adds nothing.
-    time.sleep(0.05)
+    time.sleep(TIMINGS.dump_settle_s)
     if not added or path.stat().st_size != since + len(added):
         return None
     return added.decode(errors="replace")
