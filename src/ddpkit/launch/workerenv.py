@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ddpkit.diagnostics.hang.workers import STACK_SIGNAL
 from ddpkit.dist import cpu_cores
 
 BOOT_DIR = Path(__file__).with_name("workerboot")  # holds the workers' sitecustomize.py
@@ -62,7 +61,6 @@ def worker_variables(run_dir: Path, nproc: int, progress_s: float) -> dict[str, 
         "PYTHONPATH": os.pathsep.join([str(BOOT_DIR), path]) if path else str(BOOT_DIR),
         "DDPKIT_AGENT_PID": str(os.getpid()),
         "DDPKIT_RUN_DIR": str(run_dir),
-        "DDPKIT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
         "DDPKIT_PROGRESS_S": str(progress_s),
         # torch's own opt-out of sharing the agent's store (issue 167288): the c10d handler then
         # opens none, and ddpkit's FreshWorkerStore gives each round its own.

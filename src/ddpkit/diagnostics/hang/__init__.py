@@ -17,7 +17,8 @@ Files written (``RUN_DIR`` is the launcher's run folder, ``ddpkit-run-PID-*`` un
     RUN_DIR/progress-RANK      a worker's collective count, group timeout and pid, one fixed-size
                                line rewritten when it changes (``boot_progress.py``).
     RUN_DIR/stacks-RANK.txt    faulthandler's dump of a worker's threads, appended at each
-                               ``DDPKIT_STACK_SIGNAL`` from its launcher (``workers.dump_stacks``).
+                               ``boot_progress.STACK_SIGNAL`` from its launcher
+                               (``workers.dump_stacks``).
     RUN_DIR/exit-RANK.txt      the same dump when the agent stops the worker with SIGTERM (read by
                                ``launch/failures.write_exit_stacks``).
     RUN_DIR/hang-report.txt    the launcher's report (``monitor.py``).
@@ -30,7 +31,6 @@ Environment variables, set by the launcher for its workers (``launch/workerenv.p
 their boot hook (``launch/workerboot/sitecustomize.py``):
 
     DDPKIT_RUN_DIR        where the files above go.
-    DDPKIT_STACK_SIGNAL   the signal that asks a worker for its stacks (``workers.STACK_SIGNAL``).
     DDPKIT_PROGRESS_S     how often a worker looks at its collective count; 0: not at all
                           (``ddpkit run --collective-timeout 0``).
     DDPKIT_AGENT_PID      marks the launcher's own workers (the boot hook takes it out of the

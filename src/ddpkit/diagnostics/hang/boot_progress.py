@@ -6,7 +6,7 @@ group's sequence number to ``RUN_DIR/progress-RANK`` when it changes (one read o
 most one small write per period); the launcher reads it into a ``RankState`` (``workers.py``).
 
 Its stacks: ``faulthandler`` writes every thread's Python stack to ``RUN_DIR/stacks-RANK.txt``
-when the launcher sends ``DDPKIT_STACK_SIGNAL`` (the hang report, ``workers.dump_stacks``), and
+when the launcher sends ``STACK_SIGNAL`` (the hang report, ``workers.dump_stacks``), and
 to ``RUN_DIR/exit-RANK.txt`` when the agent stops the worker with SIGTERM (where the others were
 when a rank failed, ``failures.write_exit_stacks``). Its handler runs in C, so it answers while
 the main thread waits inside a collective.
@@ -32,6 +32,9 @@ import time
 from typing import IO
 
 THREAD_FUNCTION = "_watch_progress"  # workers.py leaves this thread out of a rank's stacks
+# The launcher's request for a worker's stacks, a real-time signal: no script or library uses one
+# for itself (macOS has none: SIGUSR2 there). Both sides read it here, so no variable carries it.
+STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 
 def default_group():
@@ -158,26 +161,25 @@ class ProgressWriter:
             self._thread.join(timeout=2 * self.period_s)
 
 
-def register_stacks(run_dir: str, rank: str, stack_signal: int) -> list[IO]:
+def register_stacks(run_dir: str, rank: str) -> list[IO]:
     """Register the two dumps; returns the files, which the caller must keep open.
 
     Args:
         run_dir: the launcher's run directory.
         rank: this worker's global rank.
-        stack_signal: the signal the launcher sends for a dump (``workers.STACK_SIGNAL``).
     """
     on_request = open(os.path.join(run_dir, f"stacks-{rank}.txt"), "w")  # noqa: SIM115
     on_exit = open(os.path.join(run_dir, f"exit-{rank}.txt"), "w")  # noqa: SIM115
-    faulthandler.register(stack_signal, file=on_request, all_threads=True, chain=False)
+    faulthandler.register(STACK_SIGNAL, file=on_request, all_threads=True, chain=False)
     # chain=True: after the dump, SIGTERM does what it did before (ends the process). A script
     # that installs its own SIGTERM handler replaces this one, and keeps its behaviour.
     faulthandler.register(signal.SIGTERM, file=on_exit, all_threads=True, chain=True)
     # A forked child (a DataLoader worker) inherits the handlers and the files; its stacks are not
     # the rank's, and an unhandled real-time signal would kill it: give it the defaults back.
-    os.register_at_fork(after_in_child=lambda: _unregister(stack_signal))
+    os.register_at_fork(after_in_child=_unregister)
     return [on_request, on_exit]
 
 
-def _unregister(stack_signal: int) -> None:
-    faulthandler.unregister(stack_signal)
+def _unregister() -> None:
+    faulthandler.unregister(STACK_SIGNAL)
     faulthandler.unregister(signal.SIGTERM)

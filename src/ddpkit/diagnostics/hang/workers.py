@@ -8,18 +8,15 @@ workers but a signal.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from ddpkit.diagnostics.hang.boot_progress import THREAD_FUNCTION
+from ddpkit.diagnostics.hang.boot_progress import STACK_SIGNAL, THREAD_FUNCTION
 from ddpkit.diagnostics.hang.record import Progress, RankState, outside_state
 from ddpkit.diagnostics.hang.timings import TIMINGS
 
-# A real-time signal: no script or library uses one for itself (macOS has none: SIGUSR2 there).
-STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 # /proc/PID/stat's state letter, as the report says it.
 PROC_STATES = {
     "R": "running",

@@ -93,7 +93,7 @@ def _main() -> None:
         return  # not a worker the launcher started: a descendant, or a process outside ddpkit run
     _load("launch/orphans").die_with_parent(expected_parent=int(agent))
     run_dir, rank = env["DDPKIT_RUN_DIR"], env["RANK"]
-    _kept.extend(_load(_BOOT_PROGRESS).register_stacks(run_dir, rank, int(env["DDPKIT_STACK_SIGNAL"])))
+    _kept.extend(_load(_BOOT_PROGRESS).register_stacks(run_dir, rank))
     sys.excepthook = _excepthook(sys.excepthook, run_dir, rank)
     global WORKER
     WORKER = True  # ddpkit.launch.uncaught leaves this worker's uncaught exceptions to the hook above
