@@ -1,5 +1,6 @@
 """Helpers shared by the tests: run a function on N gloo ranks, list leftover processes, run
-scripts under ``ddpkit run`` (one, or several at once) and read their metrics."""
+scripts under ``ddpkit run`` (one, or several at once), wait for started processes, and read what
+a run left in its folder (metrics, last step, saved weights)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import ddpkit
 
@@ -128,3 +133,48 @@ def metric_lines(out: Path) -> list[dict]:
 def logged_losses(out: Path) -> list[float]:
     """The loss of every step line of OUT/metrics.jsonl."""
     return [line["loss"] for line in metric_lines(out) if "loss" in line]
+
+
+def last_step(out: Path) -> int:
+    """The step of the last line of OUT/metrics.jsonl; 0 while there is none (or it is half written)."""
+    try:
+        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def saved_weights(out: Path, name: str = "model") -> dict[str, torch.Tensor]:
+    """The tensors of OUT/NAME.pt, loaded onto the CPU."""
+    return torch.load(out / f"{name}.pt", map_location="cpu", weights_only=True)
+
+
+def wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int]:
+    """Each exit code; at the deadline (a hang) SIGTERM to all that still run, SIGKILL 30 s later."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            break
+    late = [proc for proc in procs if proc.poll() is None]
+    for proc in late:
+        proc.terminate()  # ddpkit run and mpirun stop their workers on SIGTERM
+    for proc in late:
+        try:
+            proc.wait(timeout=max(deadline + 30 - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return [proc.wait() for proc in procs]
+
+
+def powersgd_one_bucket_at_a_time(state, bucket):
+    """torch's PowerSGD hook, waited for before the next bucket starts: the reference to compare with.
+
+    torch's powerSGD_hook starts its P and Q all-reduces from future callbacks, which run on gloo's
+    threads; with several buckets in flight the ranks then issue collectives in different orders
+    and gloo aborts ("Received data size doesn't match expected size"). Waiting per bucket (what
+    DataParallel does for torch's hooks) makes the reference deterministic without changing a value.
+    """
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    future.wait()
+    return future

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import logged_losses, wait_all
 
 from ddpkit.dist import read_launcher_vars
 from ddpkit.errors import ConfigError
@@ -132,25 +133,6 @@ def _start(args: list[str], extra: dict[str, str], log: Path) -> subprocess.Pope
         return subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env={**_clean_env(), **extra})
 
 
-def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int]:
-    """Each exit code; at the deadline (a hang) SIGTERM to all that still run, SIGKILL 30 s later."""
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            break
-    late = [proc for proc in procs if proc.poll() is None]
-    for proc in late:
-        proc.terminate()  # ddpkit run and mpirun stop their workers on SIGTERM
-    for proc in late:
-        try:
-            proc.wait(timeout=max(deadline + 30 - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return [proc.wait() for proc in procs]
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[str, Launch]:
     """Every launch at once, for the whole file (87 to 143 s on 2 cores at load averages 3 to 18)."""
@@ -160,7 +142,7 @@ def launches(tmp_path_factory) -> dict[str, Launch]:
         for name, procs in _launches(root).items()
     }
     codes = iter(
-        _wait_all([proc for procs in started.values() for proc in procs], time.monotonic() + TIMEOUT_S)
+        wait_all([proc for procs in started.values() for proc in procs], time.monotonic() + TIMEOUT_S)
     )
     done = {}
     for name, procs in started.items():
@@ -175,10 +157,6 @@ def _attempts(out: Path) -> list[dict]:
     return sorted((json.loads(line) for line in lines), key=lambda a: a["rank"])
 
 
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _assert_equals_reference(launches: dict[str, Launch], name: str) -> list[dict]:
     run, reference = launches[name], launches["reference"]
     for launch in (reference, run):
@@ -190,8 +168,8 @@ def _assert_equals_reference(launches: dict[str, Launch], name: str) -> list[dic
     model, expected = (torch.load(x.out / "model.pt", weights_only=True) for x in (run, reference))
     differ = [k for k in expected if not torch.equal(model[k], expected[k])]
     assert model.keys() == expected.keys() and not differ, f"{name} ends with other weights in {differ}"
-    losses = _losses(run.out)
-    assert losses == _losses(reference.out) and len(losses) == STEPS and losses[-1] < losses[0], losses
+    losses = logged_losses(run.out)
+    assert losses == logged_losses(reference.out) and len(losses) == STEPS and losses[-1] < losses[0], losses
     return seen
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import logged_losses, saved_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -34,15 +35,6 @@ def _run(out: Path, precision: str, *extra: str, code: int = 0) -> subprocess.Co
     return done
 
 
-def _losses(out: Path) -> list[float]:
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [line["loss"] for line in lines if "loss" in line]
-
-
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
-
-
 def _end(out: Path) -> dict:
     return json.loads((out / "end_state.json").read_text())
 
@@ -58,12 +50,12 @@ def test_a_killed_run_resumes_bit_equal_with_its_cuda_generator(tmp_path, precis
     assert "resumed from" in done.stdout and "step-00000006" in done.stdout, done.stdout[-2000:]
 
     assert _end(whole)["device"] == "cuda:0"
-    assert len(_losses(whole)) == STEPS
-    assert _losses(cut) == _losses(whole)
-    expected = _weights(whole)
-    assert expected.keys() == _weights(cut).keys()
+    assert len(logged_losses(whole)) == STEPS
+    assert logged_losses(cut) == logged_losses(whole)
+    expected = saved_weights(whole)
+    assert expected.keys() == saved_weights(cut).keys()
     for key, value in expected.items():
-        got = _weights(cut)[key]
+        got = saved_weights(cut)[key]
         assert torch.equal(got, value), f"{key} differs by {(got - value).abs().max()}"
     if precision == "fp16":
         assert _end(whole)["scaler"]["scale"] == 2.0**15, "the overflow at step 3 did not halve the scale"

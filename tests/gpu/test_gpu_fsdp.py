@@ -8,13 +8,13 @@ The multi-rank checks run on the CPU over gloo (tests/run/test_run_fsdp.py).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import logged_losses, saved_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -29,22 +29,15 @@ def _run(out: Path, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
     return done
 
 
-def _losses(out: Path) -> list[float]:
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [line["loss"] for line in lines if "loss" in line]
-
-
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", weights_only=True, map_location="cpu")
-
-
 def test_a_world_of_one_on_nccl_equals_ddp_and_resumes_bit_equal_after_a_kill_inside_its_save(tmp_path):
     _run(tmp_path / "torch", "--engine", "torch", "--micro-batch", "2")
     _run(tmp_path / "fsdp", "--micro-batch", "2")
-    assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(tmp_path / "torch"), rel=1e-5)
-    for key, value in _weights(tmp_path / "torch").items():
-        torch.testing.assert_close(_weights(tmp_path / "fsdp")[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert logged_losses(tmp_path / "fsdp") == pytest.approx(logged_losses(tmp_path / "torch"), rel=1e-5)
+    for key, value in saved_weights(tmp_path / "torch").items():
+        torch.testing.assert_close(
+            saved_weights(tmp_path / "fsdp")[key], value, rtol=1e-5, atol=1e-6, msg=key
+        )
     cut = tmp_path / "cut"
     _run(cut, "--micro-batch", "2", "--kill-in-save", "8", code=1)
     assert "resumed from" in _run(cut, "--micro-batch", "2").stdout
-    assert all(torch.equal(_weights(cut)[k], v) for k, v in _weights(tmp_path / "fsdp").items())
+    assert all(torch.equal(saved_weights(cut)[k], v) for k, v in saved_weights(tmp_path / "fsdp").items())

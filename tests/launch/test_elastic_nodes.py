@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from helpers import last_step
 
 from ddpkit.launch.ports import free_port
 
@@ -38,13 +39,6 @@ def _node(out, port: int, conf: str, *extra: str) -> subprocess.Popen:
     cmd = [*DDPKIT, *RUN.split(), "--out", str(out), *launch.split(), "--max-restarts", "3"]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
     return subprocess.Popen([*cmd, "--rdzv-conf", conf, *extra], **pipes)
-
-
-def _last_step(out) -> int:
-    try:
-        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _wait(condition, proc: subprocess.Popen, what: str, limit: float = 60) -> None:
@@ -80,9 +74,9 @@ def test_a_node_leaves_and_the_rest_finish_the_epoch(tmp_path):
     first = _node(out, port, RDZV_CONF)
     second = _node(out, port, f"{RDZV_CONF},is_host=0", "--node-rank", "1")
     try:
-        _wait(lambda: _last_step(out) >= 25, first, "step 25", limit=120)  # start-up included
+        _wait(lambda: last_step(out) >= 25, first, "step 25", limit=120)  # start-up included
         os.kill(second.pid, signal.SIGKILL)  # its worker follows (PR_SET_PDEATHSIG)
-        killed_at = _last_step(out)
+        killed_at = last_step(out)
         stdout, stderr = first.communicate(timeout=120)
     finally:
         for proc in (first, second):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import primed_ddpkit
+from helpers import logged_losses, primed_ddpkit
 from run_scripts import HANG_SCRIPT, SLEEP_SCRIPT, listening
 
 pytestmark = pytest.mark.slow
@@ -106,10 +106,6 @@ def _finish(proc: subprocess.Popen, limit: float) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def _losses(out) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def one_machine(tmp_path_factory):
     """The reference: the same run as 4 processes on one machine (no namespaces)."""
@@ -144,7 +140,7 @@ def test_two_machines_of_two_equal_one_machine_of_four(machines, one_machine, tm
     # so every sum is taken in the same order.
     multi, single = (torch.load(p / "model.pt", weights_only=True) for p in (out, one_machine))
     assert all(torch.equal(multi[k], single[k]) for k in single)
-    assert _losses(out) == _losses(one_machine)
+    assert logged_losses(out) == logged_losses(one_machine)
 
 
 TASK = Path(__file__).parents[2] / "examples" / "task_mlp.py"
@@ -171,7 +167,7 @@ def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path):
     assert "task_mlp trained to step 8 on 2 processes" in outputs[0]  # node 0 holds rank 0
     multi, single = (torch.load(p / "model.pt", weights_only=True) for p in (out, reference))
     assert all(torch.equal(multi[k], single[k]) for k in single)
-    assert _losses(out) == _losses(reference)
+    assert logged_losses(out) == logged_losses(reference)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert sum("eval_loss" in json.loads(line) for line in lines) == 2  # steps 4 and 8, both machines
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import UNet2DModel
-from helpers import ddpkit_runs_at_once, logged_losses
+from helpers import ddpkit_runs_at_once, logged_losses, saved_weights
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -57,10 +57,6 @@ def outs(tmp_path_factory) -> dict[str, Path]:
     expected = {"one": 0, "two": 0, "three": 0, "killed": 1, "rerun_on_2": 0, "resumed_on_3": 0}
     assert codes == expected, logs
     return out
-
-
-def _weights(out: Path, name: str = "model") -> dict[str, torch.Tensor]:
-    return torch.load(out / f"{name}.pt", map_location="cpu", weights_only=True)
 
 
 KEY_BIAS = "mid_block.attentions.0.to_k.bias"
@@ -104,14 +100,16 @@ def test_every_steps_loss_and_the_weights_are_the_same_on_1_2_and_3_processes(ou
     assert _relative(two, one) <= 1e-5, (one, two)
     assert _relative(three, one) <= 1e-5, (one, three)
     for name in ["two", "three"]:
-        _close_but_the_key_bias(_weights(outs[name]), _weights(outs["one"]), f"{name} vs one, model.pt")
+        _close_but_the_key_bias(
+            saved_weights(outs[name]), saved_weights(outs["one"]), f"{name} vs one, model.pt"
+        )
 
 
 def test_killed_on_2_and_run_again_ends_bit_equal(outs):
     whole, rerun = outs["two"], outs["rerun_on_2"]
     assert _losses(rerun) == _losses(whole)
     for name in ["model", "ema"]:
-        theirs, ours = _weights(whole, name), _weights(rerun, name)
+        theirs, ours = saved_weights(whole, name), saved_weights(rerun, name)
         assert theirs.keys() == ours.keys()
         assert all(torch.equal(ours[k], v) for k, v in theirs.items()), name
 
@@ -120,12 +118,12 @@ def test_killed_on_2_and_resumed_on_3_within_1e_5(outs):
     whole, resumed = outs["two"], outs["resumed_on_3"]
     assert _relative(_losses(resumed), _losses(whole)) <= 1e-5
     for name in ["model", "ema"]:
-        _close_but_the_key_bias(_weights(resumed, name), _weights(whole, name), f"{name}.pt")
+        _close_but_the_key_bias(saved_weights(resumed, name), saved_weights(whole, name), f"{name}.pt")
 
 
 def test_ema_pt_is_the_emas_average_as_diffusers_writes_it_and_loads_into_a_fresh_unet(outs):
     out = outs["rerun_on_2"]
-    ema, model = _weights(out, "ema"), _weights(out, "model")
+    ema, model = saved_weights(out, "ema"), saved_weights(out, "model")
     # diffusers' way: ema.copy_to(unet.parameters()) and save_pretrained, done by the script after the run
     diffusers_ema = load_file(out / "unet-ema" / "diffusion_pytorch_model.safetensors")
     assert ema.keys() == diffusers_ema.keys() == model.keys()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import descendants
+from helpers import descendants, logged_losses, saved_weights
 
 nbformat = pytest.importorskip(
     "nbformat", reason="the dev extra's nbclient: pip install -c constraints.txt -e '.[dev]'"
@@ -155,26 +155,18 @@ def notebook(tmp_path_factory) -> Notebook:
     return Notebook(root, shown, errors, took, left, done)
 
 
-def _model(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", weights_only=True)
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _starts(out: Path) -> list[dict]:
     return [json.loads(line) for line in Path(f"{out}.starts.jsonl").read_text().splitlines()]
 
 
 def _assert_same_run(notebook: Notebook, name: str) -> None:
     assert notebook.script.returncode == 0, notebook.script.stdout[-4000:]
-    reference, other = _model(notebook.root / "script"), _model(notebook.root / name)
+    reference, other = saved_weights(notebook.root / "script"), saved_weights(notebook.root / name)
     assert other.keys() == reference.keys()
     differ = [k for k in reference if not torch.equal(other[k], reference[k])]
     assert not differ, f"the notebook's {name} run ends with other weights than ddpkit run's in {differ}"
-    losses = _losses(notebook.root / name)
-    assert losses == _losses(notebook.root / "script"), f"the notebook's {name} run logged other losses"
+    losses = logged_losses(notebook.root / name)
+    assert losses == logged_losses(notebook.root / "script"), f"the notebook's {name} run logged other losses"
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
     threads = {s["threads"] for s in _starts(notebook.root / "script")}
     assert {s["threads"] for s in _starts(notebook.root / name)} == threads  # float sums depend on it

@@ -22,7 +22,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
-from helpers import ddpkit_runs_at_once, logged_losses
+from helpers import ddpkit_runs_at_once, logged_losses, saved_weights
 from peft_script import SEQUENCES, CountingSequences, build_base, build_model
 from safetensors.torch import load_file
 
@@ -60,10 +60,6 @@ def outs(tmp_path_factory) -> dict[str, Path]:
     return {"whole": whole, "rerun": rerun}
 
 
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
-
-
 def _is_lora(key: str) -> bool:
     return ".lora_A." in key or ".lora_B." in key
 
@@ -81,7 +77,7 @@ def test_killed_on_2_and_run_again_ends_bit_equal(outs):
     losses = logged_losses(whole)
     assert losses[-1] < 0.95 * losses[0], f"the adapter did not learn: {losses}"
     assert logged_losses(rerun) == losses
-    theirs, ours = _weights(whole), _weights(rerun)
+    theirs, ours = saved_weights(whole), saved_weights(rerun)
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], v) for k, v in theirs.items())
     theirs, ours = (load_file(out / "adapter" / "adapter_model.safetensors") for out in [whole, rerun])
@@ -89,7 +85,7 @@ def test_killed_on_2_and_run_again_ends_bit_equal(outs):
 
 
 def test_only_the_lora_weights_changed(outs):
-    initial, trained = build_model().state_dict(), _weights(outs["rerun"])
+    initial, trained = build_model().state_dict(), saved_weights(outs["rerun"])
     assert trained.keys() == initial.keys()
     lora = [k for k in initial if _is_lora(k)]
     assert len(lora) == 4, lora  # lora_A and lora_B of c_attn in each of the 2 layers
@@ -100,7 +96,7 @@ def test_only_the_lora_weights_changed(outs):
 
 def test_model_pt_loads_into_a_fresh_peft_model_and_gives_the_adapter_back(outs, tmp_path):
     out = outs["rerun"]
-    state = _weights(out)
+    state = saved_weights(out)
     # OUT/model.pt is the PeftModel's state dict: peft's prefixes, base_layer and the adapter's name.
     assert "base_model.model.transformer.h.0.attn.c_attn.base_layer.weight" in state
     assert state["base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight"].shape == (4, 16)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import logged_losses, saved_weights, wait_all
 
 pytest.importorskip(
     "ray", reason="Ray Train is an optional extra: pip install -c constraints.txt -e '.[ray]'"
@@ -72,25 +73,6 @@ def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int]:
-    """Each exit code; at the deadline (a hang) SIGTERM to all that still run, SIGKILL 30 s later."""
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            break
-    late = [proc for proc in procs if proc.poll() is None]
-    for proc in late:
-        proc.terminate()  # the sweep below ends whatever the Ray driver leaves
-    for proc in late:
-        try:
-            proc.wait(timeout=max(deadline + 30 - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return [proc.wait() for proc in procs]
-
-
 def _marked(mark: str) -> dict[int, str]:
     """Live processes whose environment holds MARK=mark: Ray's raylet, GCS, agents and workers."""
     found = {}
@@ -132,7 +114,7 @@ def runs(tmp_path_factory) -> Runs:
     }  # fmt: skip
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        returncodes = dict(zip(procs, _wait_all(list(procs.values()), deadline), strict=True))
+        returncodes = dict(zip(procs, wait_all(list(procs.values()), deadline), strict=True))
     finally:
         left = _sweep(str(ray_dir))
         shutil.rmtree(ray_dir, ignore_errors=True)
@@ -145,26 +127,18 @@ def _ok(runs: Runs) -> None:
         assert code == 0, f"{name} exited {code}:\n{runs.output[name][-4000:]}"
 
 
-def _model(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "model.pt", weights_only=True)
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _attempts(out: Path) -> list[dict]:
     path = out.with_name(out.name + ".attempts.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _assert_same_run(runs: Runs, name: str) -> None:
-    reference, other = _model(runs.root / "ddpkit"), _model(runs.root / name)
+    reference, other = saved_weights(runs.root / "ddpkit"), saved_weights(runs.root / name)
     assert other.keys() == reference.keys(), (name, sorted(other))
     differ = [k for k in reference if not torch.equal(other[k], reference[k])]
     assert not differ, f"Ray's {name} run ends with other weights than ddpkit run's in {differ}"
-    losses = _losses(runs.root / name)
-    assert losses == _losses(runs.root / "ddpkit"), f"Ray's {name} run logged other losses"
+    losses = logged_losses(runs.root / name)
+    assert losses == logged_losses(runs.root / "ddpkit"), f"Ray's {name} run logged other losses"
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
 
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_ranks
+from helpers import powersgd_one_bucket_at_a_time, run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -35,23 +35,13 @@ def _torch_engine(model: nn.Module, kind: str) -> DistributedDataParallel:
     ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
     if kind == "powersgd":
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, _one_bucket_at_a_time)
+        ddp.register_comm_hook(state, powersgd_one_bucket_at_a_time)
     elif kind is not None:
         hook = getattr(default_hooks, f"{kind}_compress_hook")
         # torch refuses bf16_compress_hook by name unless NCCL is there, though gloo reduces
         # bf16 fine on CPU; the same function under another name gets past the check.
         ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
     return ddp
-
-
-def _one_bucket_at_a_time(state, bucket):
-    # torch's powerSGD_hook starts its P and Q all-reduces from future callbacks, which run on
-    # gloo's threads; with several buckets in flight the ranks then issue collectives in
-    # different orders and gloo aborts ("Received data size doesn't match expected size").
-    # Waiting per bucket makes the reference deterministic without changing any value.
-    future = powerSGD_hook.powerSGD_hook(state, bucket)
-    future.wait()
-    return future
 
 
 def _our_engine(model: nn.Module, kind: str | None) -> DataParallel:

@@ -7,19 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ddpkit
 from ddpkit import ConfigError, DataParallel
 from ddpkit.parallel import FIRST_BUCKET_BYTES, allreduce_hook, assign_buckets, make_hook
 from ddpkit.parallel.checks import default_first_bucket_mb
-
-
-@pytest.fixture
-def world_of_one():
-    env = ddpkit.init_distributed("gloo")
-    try:
-        yield env
-    finally:
-        ddpkit.destroy()
 
 
 def _params(*numels: int, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_ranks
+from helpers import powersgd_one_bucket_at_a_time, run_ranks
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -165,22 +165,13 @@ def _hooked(hook_name: str) -> Callable[[type, int], dict]:
 def _hook(name: str, for_torch: bool) -> tuple:
     if name == "powersgd":
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        return state, _one_bucket_at_a_time if for_torch else powerSGD_hook.powerSGD_hook
+        return state, powersgd_one_bucket_at_a_time if for_torch else powerSGD_hook.powerSGD_hook
     hook = getattr(default_hooks, name)
     if for_torch and name == "bf16_compress_hook":
         # torch refuses bf16_compress_hook by name without NCCL, though gloo reduces bf16 on the
         # CPU; the same function under another name gets past its check.
         return None, lambda state, bucket: hook(state, bucket)
     return None, hook
-
-
-def _one_bucket_at_a_time(state, bucket):
-    # torch's DDP starts the next bucket's hook while PowerSGD's callbacks issue collectives on
-    # gloo's threads, so ranks may pair up the wrong ones; waiting per bucket (what DataParallel
-    # does for torch's hooks) keeps the reference deterministic without changing a value.
-    future = powerSGD_hook.powerSGD_hook(state, bucket)
-    future.wait()
-    return future
 
 
 def _bucket_view_steps(model: nn.Module, rank: int) -> dict:

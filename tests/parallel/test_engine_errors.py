@@ -13,19 +13,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-import ddpkit
 from ddpkit import ConfigError, DataParallel
 
 ENGINES = [DistributedDataParallel, DataParallel]
-
-
-@pytest.fixture
-def world_of_one():
-    env = ddpkit.init_distributed("gloo")
-    try:
-        yield env
-    finally:
-        ddpkit.destroy()
 
 
 class TwoHeads(nn.Module):

@@ -8,15 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ddpkit_run, logged_losses
+from helpers import ddpkit_run, logged_losses, saved_weights
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("draws_script.py")
-
-
-def _weights(out: Path) -> dict:
-    return torch.load(out / "model.pt", weights_only=True)
 
 
 def test_killed_on_2_the_rerun_is_bit_equal_and_on_3_within_1e_5(tmp_path):
@@ -29,9 +25,9 @@ def test_killed_on_2_the_rerun_is_bit_equal_and_on_3_within_1e_5(tmp_path):
         ddpkit_run(SCRIPT, out, 2, "--kill-at", "7", code=1, timeout=240)  # mid-epoch 1; step 6 saved
         ddpkit_run(SCRIPT, out, nproc, timeout=240)
         if name == "same":
-            assert all(torch.equal(_weights(out)[k], v) for k, v in _weights(whole).items())
+            assert all(torch.equal(saved_weights(out)[k], v) for k, v in saved_weights(whole).items())
             assert logged_losses(out) == logged_losses(whole)
         else:
             assert logged_losses(out) == pytest.approx(logged_losses(whole), rel=1e-5)
-            for key, value in _weights(whole).items():
-                torch.testing.assert_close(_weights(out)[key], value, rtol=1e-5, atol=1e-6, msg=key)
+            for key, value in saved_weights(whole).items():
+                torch.testing.assert_close(saved_weights(out)[key], value, rtol=1e-5, atol=1e-6, msg=key)

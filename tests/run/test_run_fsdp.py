@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdp_script import Net
-from helpers import ddpkit_run, logged_losses, metric_lines
+from helpers import ddpkit_run, logged_losses, metric_lines, saved_weights
 
 from ddpkit.checkpoint.inspect import inspect_path
 
@@ -30,10 +30,6 @@ KILL_IN_SAVE = 8  # mid-epoch 1 (steps 6 to 10); the checkpoint of step 6 is the
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
     return ddpkit_run(SCRIPT, out, nproc, *extra, code=code, timeout=300)
-
-
-def _weights(out: Path, name: str = "model") -> dict[str, torch.Tensor]:
-    return torch.load(out / f"{name}.pt", weights_only=True)
 
 
 def _assert_close(ours: dict, theirs: dict, rtol: float, atol: float) -> None:
@@ -72,9 +68,11 @@ def test_the_same_losses_and_weights_on_1_2_and_3_processes(runs):
     assert len(reference) == STEPS
     for name in ("fsdp-2", "fsdp-3"):
         assert logged_losses(runs[name]) == pytest.approx(reference, rel=1e-5), name
-        _assert_close(_weights(runs[name]), _weights(runs["fsdp-1"]), rtol=1e-4, atol=1e-5)
+        _assert_close(saved_weights(runs[name]), saved_weights(runs["fsdp-1"]), rtol=1e-4, atol=1e-5)
         # The EMA, each rank averaging its own shards: the same average on any number of ranks.
-        _assert_close(_weights(runs[name], "ema"), _weights(runs["fsdp-1"], "ema"), rtol=1e-4, atol=1e-5)
+        _assert_close(
+            saved_weights(runs[name], "ema"), saved_weights(runs["fsdp-1"], "ema"), rtol=1e-4, atol=1e-5
+        )
     # run.evaluate over uneven shards (2 and 1 batches on 2 ranks) kept the ranks in step, with
     # the model's own weights and with the EMA's swapped in.
     for field in ("val_acc", "ema_acc"):
@@ -84,16 +82,18 @@ def test_the_same_losses_and_weights_on_1_2_and_3_processes(runs):
 
 def test_model_pt_is_the_full_copy_engines(runs):
     # OUT/model.pt: a full, plain-keyed state dict gathered from the shards, torch's DDP's model.
-    sharded, full = _weights(runs["fsdp-2"]), _weights(runs["torch-2"])
+    sharded, full = saved_weights(runs["fsdp-2"]), saved_weights(runs["torch-2"])
     assert sorted(sharded) == sorted(full)
     for key, value in full.items():
         assert not hasattr(sharded[key], "placements"), f"{key} is still a DTensor"
         torch.testing.assert_close(sharded[key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert logged_losses(runs["fsdp-2"]) == pytest.approx(logged_losses(runs["torch-2"]), rel=1e-5)
     # OUT/ema.pt: the full-copy engine's EMA, and it loads into a fresh model.
-    _assert_close(_weights(runs["fsdp-2"], "ema"), _weights(runs["torch-2"], "ema"), rtol=1e-5, atol=1e-6)
-    Net().load_state_dict(_weights(runs["fsdp-2"], "ema"))
-    assert not torch.equal(_weights(runs["fsdp-2"], "ema")["head.weight"], sharded["head.weight"])
+    _assert_close(
+        saved_weights(runs["fsdp-2"], "ema"), saved_weights(runs["torch-2"], "ema"), rtol=1e-5, atol=1e-6
+    )
+    Net().load_state_dict(saved_weights(runs["fsdp-2"], "ema"))
+    assert not torch.equal(saved_weights(runs["fsdp-2"], "ema")["head.weight"], sharded["head.weight"])
 
 
 def test_a_checkpoint_killed_mid_write_is_never_loaded_and_the_rerun_is_bit_equal(runs, killed, tmp_path):
@@ -104,10 +104,12 @@ def test_a_checkpoint_killed_mid_write_is_never_loaded_and_the_rerun_is_bit_equa
     shutil.copytree(killed, out)
     done = _run(out, 2, "--micro-batch", "2")
     assert f"resumed from {out / 'checkpoints' / f'step-{KILL_IN_SAVE - 2:08d}'}" in done.stdout
-    whole = _weights(runs["fsdp-2"])
-    assert all(torch.equal(_weights(out)[k], v) for k, v in whole.items()), "the rerun's model differs"
-    whole = _weights(runs["fsdp-2"], "ema")
-    assert all(torch.equal(_weights(out, "ema")[k], v) for k, v in whole.items()), "the rerun's EMA differs"
+    whole = saved_weights(runs["fsdp-2"])
+    assert all(torch.equal(saved_weights(out)[k], v) for k, v in whole.items()), "the rerun's model differs"
+    whole = saved_weights(runs["fsdp-2"], "ema")
+    assert all(torch.equal(saved_weights(out, "ema")[k], v) for k, v in whole.items()), (
+        "the rerun's EMA differs"
+    )
     assert logged_losses(out) == logged_losses(runs["fsdp-2"])
     # ddpkit inspect reads a sharded checkpoint: its manifest covers every rank's DCP files.
     assert inspect_path(out / "checkpoints") == 0
@@ -118,8 +120,8 @@ def test_killed_on_2_and_resumed_on_3(runs, killed, tmp_path):
     shutil.copytree(killed, out)
     done = _run(out, 3, "--micro-batch", "2")
     assert "resumed from" in done.stdout
-    _assert_close(_weights(out), _weights(runs["fsdp-2"]), rtol=1e-4, atol=1e-5)
-    _assert_close(_weights(out, "ema"), _weights(runs["fsdp-2"], "ema"), rtol=1e-4, atol=1e-5)
+    _assert_close(saved_weights(out), saved_weights(runs["fsdp-2"]), rtol=1e-4, atol=1e-5)
+    _assert_close(saved_weights(out, "ema"), saved_weights(runs["fsdp-2"], "ema"), rtol=1e-4, atol=1e-5)
     taken = collections.Counter()
     for path in (out / "samples").glob("rank*.jsonl"):
         for line in path.read_text().splitlines():
@@ -148,7 +150,9 @@ def test_a_full_copy_engine_saving_through_dcp_spreads_the_writes_and_resumes_ex
         shutil.copytree(killed, out)
         assert "resumed from" in _run(out, nproc, "--micro-batch", "2", "--engine", "torch").stdout
         if nproc == 2:  # the same command: bit-equal to the run that saved state.pt and was never killed
-            assert all(torch.equal(_weights(out)[k], v) for k, v in _weights(runs["torch-2"]).items())
+            assert all(
+                torch.equal(saved_weights(out)[k], v) for k, v in saved_weights(runs["torch-2"]).items()
+            )
             assert logged_losses(out) == logged_losses(runs["torch-2"])
         else:
-            _assert_close(_weights(out), _weights(runs["torch-2"]), rtol=1e-4, atol=1e-5)
+            _assert_close(saved_weights(out), saved_weights(runs["torch-2"]), rtol=1e-4, atol=1e-5)

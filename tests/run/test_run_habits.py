@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ddpkit_run, logged_losses, metric_lines
+from helpers import ddpkit_run, logged_losses, metric_lines, saved_weights
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +27,6 @@ EPOCHS = 3
 
 def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.CompletedProcess:
     return ddpkit_run(SCRIPT, out, nproc, *extra, code=code, timeout=240)
-
-
-def _weights(out: Path) -> dict:
-    return torch.load(out / "model.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +57,16 @@ def test_the_same_losses_and_weights_on_1_2_and_3_processes(runs):
         assert [line["lr"] for line in metric_lines(runs[name]) if "loss" in line] == lrs, name
     for name in ("2", "3"):
         assert logged_losses(runs[name]) == pytest.approx(reference, rel=1e-5), name
-        for key, value in _weights(runs["1"]).items():
-            torch.testing.assert_close(_weights(runs[name])[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        for key, value in saved_weights(runs["1"]).items():
+            torch.testing.assert_close(saved_weights(runs[name])[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_own_clip_under_micro_batch_gives_the_same_update(runs):
     # The loop's clip_grad_norm_ runs after every micro-batch's backward; only the step's last one
     # sees a gradient (the whole step's), as without micro_batch (before: 6.8e-2 apart).
     assert logged_losses(runs["2-micro"]) == pytest.approx(logged_losses(runs["2"]), rel=1e-5)
-    for key, value in _weights(runs["2"]).items():
-        torch.testing.assert_close(_weights(runs["2-micro"])[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for key, value in saved_weights(runs["2"]).items():
+        torch.testing.assert_close(saved_weights(runs["2-micro"])[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_every_epochs_logged_value_has_a_line_of_its_own(runs):
@@ -87,8 +83,8 @@ def test_kill_and_rerun_with_a_len_sized_schedule_is_bit_equal(runs, tmp_path):
     _run(out, 2, "--kill-at", "7", code=1)
     done = _run(out, 2)
     assert "resumed from" in done.stdout
-    whole = _weights(runs["2"])
-    assert all(torch.equal(_weights(out)[k], v) for k, v in whole.items()), "the rerun's model differs"
+    whole = saved_weights(runs["2"])
+    assert all(torch.equal(saved_weights(out)[k], v) for k, v in whole.items()), "the rerun's model differs"
     assert logged_losses(out) == logged_losses(runs["2"])
     assert [line["val_acc"] for line in metric_lines(out) if "val_acc" in line] == [
         line["val_acc"] for line in metric_lines(runs["2"]) if "val_acc" in line
@@ -144,9 +140,9 @@ def test_a_plateau_and_early_stopping_loop_is_the_same_on_1_2_and_3_processes(pl
         assert logged_losses(plateau_runs[name]) == pytest.approx(logged_losses(plateau_runs["1"]), rel=1e-5)
         for key, value in reference["ema"].items():
             torch.testing.assert_close(extras["ema"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
-        for key, value in _weights(plateau_runs["1"]).items():
+        for key, value in saved_weights(plateau_runs["1"]).items():
             torch.testing.assert_close(
-                _weights(plateau_runs[name])[key], value, rtol=1e-5, atol=1e-6, msg=key
+                saved_weights(plateau_runs[name])[key], value, rtol=1e-5, atol=1e-6, msg=key
             )
 
 
@@ -164,7 +160,9 @@ def test_killed_in_or_right_after_the_epoch_end_code_the_rerun_is_bit_equal(plat
     assert all(torch.equal(_extras(out)["ema"][k], v) for k, v in _extras(whole)["ema"].items()), (
         "EMA differs"
     )
-    assert all(torch.equal(_weights(out)[k], v) for k, v in _weights(whole).items()), "the model differs"
+    assert all(torch.equal(saved_weights(out)[k], v) for k, v in saved_weights(whole).items()), (
+        "the model differs"
+    )
     assert logged_losses(out) == logged_losses(whole) and _lrs(out) == _lrs(whole)
     if kill[0] == "--kill-at":
         written = (out / "model.pt").read_bytes()

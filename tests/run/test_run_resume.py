@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import descendants
+from helpers import descendants, last_step, logged_losses, saved_weights
 
 pytestmark = pytest.mark.slow
 
@@ -38,21 +38,14 @@ def _run(out: Path, nproc: int, *extra: str, launch: tuple[str, ...] = ()) -> su
     return done
 
 
-def _last_step(out: Path) -> int:
-    try:
-        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> int:
     deadline = time.monotonic() + 120
-    while _last_step(out) < step and proc.poll() is None and time.monotonic() < deadline:
+    while last_step(out) < step and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert proc.poll() is None, (
-        f"the run ended (exit {proc.returncode}) at step {_last_step(out)}, before {step}"
+        f"the run ended (exit {proc.returncode}) at step {last_step(out)}, before {step}"
     )
-    return _last_step(out)
+    return last_step(out)
 
 
 def kill_job_at(cmd: list[str], out: Path, step: int) -> int:
@@ -64,16 +57,8 @@ def kill_job_at(cmd: list[str], out: Path, step: int) -> int:
     return killed_at
 
 
-def _model(out: Path) -> dict:
-    return torch.load(out / "model.pt", weights_only=True)
-
-
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 # 3 epochs of 20 steps of 32 samples; micro-batches of 2 make a step slow enough to be cut mid-epoch.
@@ -91,8 +76,8 @@ def test_sigkill_of_the_whole_job_then_resume_is_bit_identical(tmp_path):
     _kill_job_at(tmp_path / "cut", 25, *SLOW)  # mid-epoch 2
     done = _run(tmp_path / "cut", 2, *SLOW)  # resume="auto" is the default
     assert "resumed from" in done.stdout
-    assert _same(_model(tmp_path / "whole"), _model(tmp_path / "cut")), "resumed model differs"
-    assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
+    assert _same(saved_weights(tmp_path / "whole"), saved_weights(tmp_path / "cut")), "resumed model differs"
+    assert logged_losses(tmp_path / "cut") == logged_losses(tmp_path / "whole")
 
 
 def _ranks(launcher: int) -> list[int]:
@@ -142,4 +127,6 @@ def test_sigterm_checkpoints_the_agreed_step_and_the_resumed_run_is_bit_identica
     assert len(saved) == 1 and int(saved[0].split("-")[1]) > signalled_at
     done = _run(out, 2, *run)
     assert f"resumed from {out / 'checkpoints' / saved[0]}" in done.stdout
-    assert _same(_model(tmp_path / "whole"), _model(out)), "the run resumed after SIGTERM differs"
+    assert _same(saved_weights(tmp_path / "whole"), saved_weights(out)), (
+        "the run resumed after SIGTERM differs"
+    )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ddpkit_run, logged_losses, run_ranks
+from helpers import ddpkit_run, logged_losses, run_ranks, saved_weights
 from torch.utils.data import IterableDataset
 
 import ddpkit
@@ -30,10 +30,6 @@ def _run(out: Path, nproc: int, *extra: str, code: int = 0) -> subprocess.Comple
     return ddpkit_run(SCRIPT, out, nproc, *extra, code=code, timeout=240)
 
 
-def _weights(out: Path) -> dict:
-    return torch.load(out / "model.pt", weights_only=True)
-
-
 def test_a_huggingface_stream_killed_and_rerun_is_bit_equal(tmp_path):
     pytest.importorskip("datasets")
     pytest.importorskip("torchdata")
@@ -41,7 +37,7 @@ def test_a_huggingface_stream_killed_and_rerun_is_bit_equal(tmp_path):
     _run(tmp_path / "cut", 2, "--source", "hf", "--kill-at", "6", code=1)
     done = _run(tmp_path / "cut", 2, "--source", "hf")
     assert "resumed from" in done.stdout and "step-00000004" in done.stdout
-    whole, cut = _weights(tmp_path / "whole"), _weights(tmp_path / "cut")
+    whole, cut = saved_weights(tmp_path / "whole"), saved_weights(tmp_path / "cut")
     assert all(torch.equal(cut[k], v) for k, v in whole.items()), "the rerun's model differs"
     assert logged_losses(tmp_path / "cut") == logged_losses(tmp_path / "whole")
     assert len(logged_losses(tmp_path / "whole")) == 16  # 2 passes of 8 full global batches of 12
@@ -59,8 +55,8 @@ def test_a_shard_source_is_world_size_invariant_and_resumes_on_another_world_siz
     _run(moved, 2, "--source", "shards", "--kill-at", "6", code=1)
     _run(moved, 3, "--source", "shards")
     assert logged_losses(moved) == pytest.approx(reference, rel=1e-5)
-    for key, value in _weights(runs[2]).items():
-        torch.testing.assert_close(_weights(moved)[key], value, rtol=1e-5, atol=1e-6)
+    for key, value in saved_weights(runs[2]).items():
+        torch.testing.assert_close(saved_weights(moved)[key], value, rtol=1e-5, atol=1e-6)
 
 
 def test_a_plain_stream_resumed_says_once_that_it_starts_over(tmp_path):

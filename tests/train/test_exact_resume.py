@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import last_step, logged_losses, saved_weights
 
 TOY = ["toy", "--global-batch", "12", "--log-every", "1", "--seed", "3"]
 
@@ -29,27 +30,19 @@ def _run(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     return done
 
 
-def _last_step(out) -> int:
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _run_and_kill(out, nproc: int, after_step: int, *extra: str) -> int:
     """Start a run, SIGKILL the launcher and every worker once a step past ``after_step`` is logged."""
     proc = subprocess.Popen(
         _cmd(out, nproc, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.monotonic() + 120
-    while _last_step(out) <= after_step and proc.poll() is None and time.monotonic() < deadline:
+    while last_step(out) <= after_step and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     # torchrun gives workers sessions of their own; they must die with the launcher, not run on.
     assert _orphans_gone(out), "workers outlived their killed launcher"
-    return _last_step(out)
+    return last_step(out)
 
 
 def _orphans_gone(out, timeout: float = 15.0) -> bool:
@@ -66,14 +59,6 @@ def _orphans_gone(out, timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def _model(out) -> dict:
-    return torch.load(out / "model.pt", weights_only=True)
-
-
-def _losses(out) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 # micro-batch 1 makes each step slow enough (12 forward/backward passes) to be killed mid-run.
@@ -98,11 +83,11 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, whole):
     assert not (tmp_path / "cut" / "model.pt").exists()
     done = _run(tmp_path / "cut", 2, *SLOW, "--resume", "auto")
     assert "resumed from" in done.stdout
-    reference, cut = _model(whole), _model(tmp_path / "cut")
+    reference, cut = saved_weights(whole), saved_weights(tmp_path / "cut")
     assert all(torch.equal(reference[k], cut[k]) for k in reference), (
         "resumed model differs from the uninterrupted one"
     )
-    assert _losses(tmp_path / "cut") == _losses(whole)
+    assert logged_losses(tmp_path / "cut") == logged_losses(whole)
 
 
 def _consumed(out, nproc: int) -> list[int]:
@@ -128,7 +113,7 @@ def test_resume_at_another_world_size(tmp_path, whole_epoch, before, after):
     _run(tmp_path / "cut", after, *EPOCH, "--resume", "auto")
     # Up to the summation order of 12 samples on 1 process versus 6 + 6 on 2, whichever part of
     # the epoch ran on which: the same tolerance against the 2-process run for both orders.
-    whole, cut = _model(whole_epoch), _model(tmp_path / "cut")
+    whole, cut = saved_weights(whole_epoch), saved_weights(tmp_path / "cut")
     for name in whole:
         assert torch.allclose(cut[name], whole[name], rtol=1e-5, atol=1e-7), name
     taken = _consumed(tmp_path / "cut", max(before, after))
@@ -149,7 +134,7 @@ def worlds(tmp_path_factory) -> dict[int, Path]:
 
 
 def test_losses_do_not_depend_on_world_size(worlds):
-    losses = {nproc: _losses(out) for nproc, out in worlds.items()}
+    losses = {nproc: logged_losses(out) for nproc, out in worlds.items()}
     for nproc in (2, 3):
         assert len(losses[nproc]) == 20
         for step, (a, b) in enumerate(zip(losses[1], losses[nproc], strict=True), 1):
@@ -160,11 +145,11 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, worl
     shutil.copytree(worlds[2], tmp_path / "whole")  # a copy: the run's own folder stays as it ended
     newest = tmp_path / "whole" / "checkpoints" / "step-00000020" / "state.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a truncated write
-    reference = _model(tmp_path / "whole")
+    reference = saved_weights(tmp_path / "whole")
     done = _run(tmp_path / "whole", 2, *WORLDS, "--resume", "auto")
     assert "resumed from" in done.stdout and "step-00000015" in done.stdout
     assert "step-00000020 is corrupt" in done.stderr
-    again = _model(tmp_path / "whole")
+    again = saved_weights(tmp_path / "whole")
     assert all(torch.equal(reference[k], again[k]) for k in reference)  # steps 16-20 redone exactly
 
 
@@ -178,7 +163,7 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_p
     cut = tmp_path / "cut"
     proc = subprocess.Popen(_cmd(cut, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while _last_step(cut) < 10 and proc.poll() is None and time.monotonic() < deadline:
+    while last_step(cut) < 10 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)  # what SLURM or Kubernetes sends the launcher
     out, err = proc.communicate(timeout=60)
@@ -189,6 +174,6 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_p
     assert 10 <= stopped_at < 40
     assert [p.name for p in (cut / "checkpoints").iterdir()] == [f"step-{stopped_at:08d}"]
     _run(cut, 2, *run, "--resume", "auto")
-    reference, resumed = _model(whole), _model(cut)
+    reference, resumed = saved_weights(whole), saved_weights(cut)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
-    assert _losses(cut) == _losses(whole)
+    assert logged_losses(cut) == logged_losses(whole)

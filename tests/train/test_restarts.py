@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import descendants
+from helpers import descendants, last_step
 
 from ddpkit.launch.restarts import EVENTS
 from ddpkit.run.monitor.metrics import read_metrics
@@ -45,13 +44,6 @@ def _start(out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _last_step(out: Path) -> int:
-    try:
-        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _workers(launcher: int) -> list[int]:
     found = []
     for pid in descendants(launcher):
@@ -65,13 +57,13 @@ def _workers(launcher: int) -> list[int]:
 
 def _kill_a_worker_after(proc: subprocess.Popen, out: Path, step: int) -> int:
     deadline = time.monotonic() + 120
-    while _last_step(out) < step and proc.poll() is None and time.monotonic() < deadline:
+    while last_step(out) < step and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     victims = _workers(proc.pid)
     assert victims, "no worker to kill"
     victim = random.Random(step).choice(victims)
     Path(f"/proc/{victim}").exists() and __import__("os").kill(victim, signal.SIGKILL)
-    return _last_step(out)
+    return last_step(out)
 
 
 def test_killed_workers_restart_and_finish_bit_identical(tmp_path):
