@@ -1,6 +1,6 @@
 """The exit codes ddpkit's own processes end with, in a module that imports nothing.
 
-Launchers (``ddpkit.launch``) and the watchdog (``diagnostics/hang.py``) both read them from here,
+Launchers (``ddpkit.launch``) and the watchdog (``diagnostics/hang/watchdog.py``) both read them from here,
 so a launcher need not import the watchdog. A script may exit with any code, so no launcher takes
 one of these as evidence by itself: a hang is named from the launcher's own monitor (its verdict,
 or the key a rank's watchdog sets in the workers' store), a stop from the signal it received.
