@@ -72,6 +72,7 @@ def main(args) -> None:
         out=args.out, global_batch=args.global_batch, micro_batch=args.micro_batch,
         save_every=args.save_every,
         steps=args.steps, engine=args.engine, log_every=1, log_samples=args.log_samples, progress=False,
+        invariant_dropout=True,  # the dropout masks drawn per sample: the same run on any world size
     )  # fmt: skip
     dataset, model = load_train_objs(args)
     untrained = copy.deepcopy(model)  # run.setup loads a resumed run's weights into model

@@ -1,8 +1,11 @@
-"""A user's small loop for ``ddpkit check`` (tests/check/test_check_command.py): an MLP with AdamW,
-and with ``--batchnorm`` a BatchNorm1d in training mode, which no world size can keep the same."""
+"""A user's small loop for ``ddpkit check`` (tests/check/test_check_command.py): an MLP with AdamW.
+Each flag adds a habit that no world size keeps the same: ``--batchnorm`` a BatchNorm1d in training
+mode, ``--dropout`` an nn.Dropout without invariant_dropout, ``--mixup`` a Mixup over the
+micro-batch (torch.randperm, its weight from numpy's global generator)."""
 
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +14,7 @@ import ddpkit
 
 run = ddpkit.Run(out="runs/mine", global_batch=12, save_every=5)
 layers = [nn.Linear(6, 16)] + ([nn.BatchNorm1d(16)] if "--batchnorm" in sys.argv else []) + [nn.GELU()]
+layers += [nn.Dropout(0.3)] if "--dropout" in sys.argv else []
 model = run.setup(nn.Sequential(*layers, nn.Linear(16, 2)))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 run.track(optimizer)
@@ -21,6 +25,9 @@ data = torch.utils.data.TensorDataset(
 loader = run.loader(data)
 for _epoch in range(loader.epoch, 3):
     for x, y in loader:
+        if "--mixup" in sys.argv:
+            lam, order = float(np.random.beta(0.4, 0.4)), torch.randperm(len(x))
+            x, y = lam * x + (1 - lam) * x[order], lam * y + (1 - lam) * y[order]
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         run.backward(loss)

@@ -1,9 +1,11 @@
-"""``ddpkit check`` on a user's script (tests/check/check_script.py), as a user runs it: a plain
-loop is the same run on 1, 2 and 3 processes (exit 0); one with BatchNorm is not, from step 1,
-and the line rank 0 said names BatchNorm (exit 1). The script's own out= is left untouched."""
+"""``ddpkit check`` on a user's script, as a user runs it: a plain loop (tests/check/check_script.py)
+and examples/own_loop.py are the same run (exit 0); the script with BatchNorm, with an nn.Dropout
+the run does not key, or with a Mixup over the micro-batch is not, and the check names the habit
+whose switching off closes the gap, with its fix (exit 1). The script's own out= is left untouched."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +15,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("check_script.py")
+EXAMPLE = Path(__file__).parents[2] / "examples" / "own_loop.py"
 
 
-def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "ddpkit", "check", "--steps", "2", *args]
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+def _check(tmp_path: Path, *args: str, steps: int = 2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "ddpkit", "check", "--steps", str(steps), *args]
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+
+
+def _gaps(stdout: str) -> list[float]:
+    rows = [line.split() for line in stdout.splitlines() if line.strip()[:1].isdigit()]
+    return [float(x) for row in rows for x in row[2:] if x != "!"]
 
 
 def test_a_plain_loop_is_the_same_run_on_1_2_and_3_processes(tmp_path):
@@ -26,16 +34,33 @@ def test_a_plain_loop_is_the_same_run_on_1_2_and_3_processes(tmp_path):
     assert "the same run on 1, 2, 3 processes" in done.stdout, done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["1", "2"]  # one row a step
-    gaps = [float(x) for row in rows for x in row[2:]]
-    assert max(gaps) <= 1e-6, done.stdout
+    assert max(_gaps(done.stdout)) <= 1e-6, done.stdout
     assert not (tmp_path / "runs").exists()  # the script's out= is the check's scratch folder
 
 
-def test_batchnorm_is_not_the_same_run_and_the_cause_is_named(tmp_path):
-    done = _check(tmp_path, "--nproc", "1,2", str(SCRIPT), "--batchnorm")
+def test_the_own_loop_example_is_the_same_run(tmp_path):
+    done = _check(tmp_path, str(EXAMPLE), "--out", "runs/own")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the same run on 1, 2 processes" in done.stdout, done.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "cause"),
+    [
+        ("--batchnorm", "the cause: BatchNorm in training mode"),
+        ("--dropout", "the cause: dropout drawn by each rank from its own generator"),
+        ("--mixup", "the cause: draws from the global generators in the loop body"),
+    ],
+)
+def test_a_habit_that_breaks_the_run_is_named_by_switching_it_off(tmp_path, flag, cause):
+    done = _check(tmp_path, "--nproc", "1,2", str(SCRIPT), flag, steps=1)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "not the same run: 2 processes at step 1: loss" in done.stdout, done.stdout
-    assert "the run said:" in done.stdout and "BatchNorm in training mode in 1 " in done.stdout
+    assert "not the same run: 2 processes at step 1" in done.stdout, done.stdout
+    causes = [line for line in done.stdout.splitlines() if "the cause:" in line]
+    assert len(causes) == 1 and cause in causes[0] and "Fix: " in causes[0], done.stdout
+    left = float(re.search(r"switched off, the gap is (\d\.\de[+-]\d+)", causes[0]).group(1))
+    assert left <= 1e-6, causes[0]
 
 
 def test_a_failing_script_is_exit_code_2_with_its_error(tmp_path):

@@ -4,6 +4,11 @@ The script runs a few steps on each process count under ``ddpkit run`` (command.
 with ``ddpkit.Run``'s options overridden for the check: a scratch out, ``steps=K``, a metrics line
 a step, nothing resumed (worker.py records the weights after every optimizer step). Its losses
 and weights are held against one process's, and against the noise floor: the same process count
-of one with its sums cut otherwise (another CPU thread count). What rank 0 said about the habits
-that break the same update (run/step/first_step.py) names the cause.
+of one with its sums cut otherwise (another CPU thread count). When a count is not the same run,
+the first steps run again with each suspect habit switched off (suspects.py), and those that close
+the gap are named with their fix (trials.py; ``ddpkit.check.compare`` is the library call).
 """
+
+from ddpkit.check.trials import Limits, Report, RunFailed, compare
+
+__all__ = ["Limits", "Report", "RunFailed", "compare"]

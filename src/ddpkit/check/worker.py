@@ -1,11 +1,12 @@
 """One rank of a ``ddpkit check`` run: the user's script, with ``ddpkit.Run`` set up for the check.
 
-Started by ``ddpkit run`` as ``worker.py --record FILE --out DIR --steps K -- SCRIPT ARGS``. Every
+Started by ``ddpkit run`` as ``worker.py --record FILE --out DIR --steps K [--suspect NAME] SCRIPT
+ARGS``. Every
 ``ddpkit.Run`` the script makes gets ``out=DIR`` (a scratch folder: nothing of the user's is read
 or written), ``steps=K``, a metrics line a step, no checkpoint and no resume; the models it sets up
 are watched, and after each optimizer step their weights are taken (as float32, on the CPU). Rank
 0 writes them to FILE when the script ends: ``{step: {name: tensor}}``, step 0 being the weights
-``run.setup`` returned.
+``run.setup`` returned. ``--suspect NAME`` switches one habit off in every process (suspects.py).
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ from __future__ import annotations
 import argparse
 import runpy
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ddpkit
+from ddpkit.check.suspects import NAMES, CentredDraws, freeze_batch_norms, seed_globals_by_step
+from ddpkit.run.data.loader import Loader
 
 
 class Recorder:
@@ -44,17 +49,22 @@ class Recorder:
             self.take(self.run.step)
 
 
-def patch(recorder: Recorder, out: str, steps: int) -> None:
-    """Every ``ddpkit.Run`` made from here on is the check's; its set-up models are watched."""
+def patch(recorder: Recorder, out: str, steps: int, suspect: str | None) -> None:
+    """Every ``ddpkit.Run`` made from here on is the check's; its set-up models are watched, and
+    ``suspect`` (suspects.py) is switched off."""
     make, setup = ddpkit.Run.__init__, ddpkit.Run.setup
 
     def checked_init(run: ddpkit.Run, *given: object, **options: object) -> None:
         options.pop("out", None)  # the script's folder stays untouched: the check writes its own
         options.update(steps=steps, save_every=0, log_every=1, progress=False, resume="never")
+        if suspect == "dropout":
+            options["invariant_dropout"] = True
         make(run, out, **options)
         recorder.run = run
 
     def watched_setup(run: ddpkit.Run, model: nn.Module, *args: object, **kwargs: object) -> nn.Module:
+        if suspect == "batchnorm":
+            freeze_batch_norms(model)
         wrapped = setup(run, model, *args, **kwargs)
         recorder.models.append((str(kwargs.get("name", "model")), wrapped))
         if run.step == 0:  # the weights every count starts from
@@ -64,6 +74,27 @@ def patch(recorder: Recorder, out: str, steps: int) -> None:
     ddpkit.Run.__init__ = checked_init
     ddpkit.Run.setup = watched_setup
     register_optimizer_step_post_hook(recorder.after_optimizer_step)
+    if suspect == "loss":
+        backward = ddpkit.Run.backward
+
+        def as_sum(
+            run: ddpkit.Run, loss: torch.Tensor, reduction: str = "mean", count: object = None
+        ) -> None:
+            backward(run, loss, "sum" if reduction == "mean" and count is None else reduction, count)
+
+        ddpkit.Run.backward = as_sum
+    if suspect == "draws":
+        drive = Loader.__iter__
+
+        def centred(loader: Loader) -> Iterator[Any]:
+            for batch in drive(loader):
+                seed_globals_by_step(
+                    recorder.run.seed if recorder.run else 0, recorder.run.step if recorder.run else 0
+                )
+                with CentredDraws():  # the loop body's draws, until it asks for the next batch
+                    yield batch
+
+        Loader.__iter__ = centred
 
 
 def main(argv: list[str]) -> None:
@@ -71,11 +102,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--record", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--suspect", choices=NAMES, default=None)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     recorder = Recorder()
-    patch(recorder, ns.out, ns.steps)
+    patch(recorder, ns.out, ns.steps, ns.suspect)
     sys.argv = [ns.script, *ns.args]
     sys.path.insert(0, str(Path(ns.script).resolve().parent))
     try:
