@@ -9,7 +9,8 @@ import sys
 import time
 
 import pytest
-from test_restarts import _last_step, _workers
+from helpers import last_step as _last_step
+from test_restarts import _workers
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import time
 import traceback
 
 # + rank: the message of that rank's ConfigError; failures.py reads it, and the launcher removes it
-# before a restart (diagnostics/hang/monitor.py).
+# before a restart (elastic.py, through the hang monitor).
 CONFIG_ERROR = "config-error-"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 # How long a rank whose collective failed because a peer died waits before it records its own

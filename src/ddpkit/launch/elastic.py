@@ -21,6 +21,7 @@ from torch.distributed.launcher.api import elastic_launch
 from ddpkit.diagnostics.hang.exchange import watchdog_verdict
 from ddpkit.diagnostics.hang.monitor import HangMonitor
 from ddpkit.errors import ConfigError
+from ddpkit.launch.boot_errors import CONFIG_ERROR
 from ddpkit.launch.failures import WorkerFailure, quiet_after_user_error, user_error, write_exit_stacks
 from ddpkit.launch.rendezvous import checked_backend
 from ddpkit.launch.restarts import RestartLine
@@ -78,7 +79,11 @@ def run_elastic(ns: argparse.Namespace, collective_timeout: float | None = 0.0) 
     with run_directory() as run_dir:
         restarts = RestartLine(ns.max_restarts, run_dir).install()  # one line per restart, naming who failed
         monitor = HangMonitor(
-            run_dir, collective_timeout, announce=ns.max_restarts > 0, new_round=restarts.on_round
+            run_dir,
+            collective_timeout,
+            announce=ns.max_restarts > 0,
+            new_round=restarts.on_round,
+            forget=(f"{CONFIG_ERROR}*",),
         )
         watched = collective_timeout != 0
         progress_s = monitor.poll_s if watched else 0.0

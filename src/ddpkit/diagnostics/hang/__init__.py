@@ -25,7 +25,8 @@ Files written (``RUN_DIR`` is the launcher's run folder, ``ddpkit-run-PID-*`` un
     OUT/hang-report.txt        a watchdog's report, in the run's folder (``report_path``); both
                                reports are written as ``NAME.tmpPID`` and renamed.
 
-The launcher deletes the first three (and a worker's ``config-error-RANK``) before each round.
+The monitor deletes the first three before each round (and the files the launcher names to it:
+a worker's ``config-error-RANK``).
 
 Environment variables, set by the launcher for its workers (``launch/workerenv.py``) and read by
 their boot hook (``launch/workerboot/sitecustomize.py``):

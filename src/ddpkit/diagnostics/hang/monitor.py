@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from ddpkit.diagnostics.hang.record import auto_timeout, find_hang
 from ddpkit.diagnostics.hang.report import format_run_report, write_report
 from ddpkit.diagnostics.hang.timings import TIMINGS
 from ddpkit.diagnostics.hang.workers import WorkerProgress, dump_stacks, is_our_worker
-from ddpkit.launch.boot_errors import CONFIG_ERROR
 
 AUTO_SOURCE = "90% of the script's process-group timeout; --collective-timeout S sets another"
 
@@ -40,6 +39,10 @@ class HangMonitor:
             the script's own process-group timeout; 0: no monitoring.
         poll_s: how often to look.
         announce: print the verdict when it is reached (restarts follow; else the failure says it).
+        new_round: told each round's generation (``restarts.RestartLine.on_round``).
+        forget: patterns of the launcher's own files in ``run_dir`` that a new round removes with
+            the workers' progress and stacks (a ConfigError's message is no news to a restarted
+            worker).
     """
 
     def __init__(
@@ -49,9 +52,10 @@ class HangMonitor:
         poll_s: float = TIMINGS.poll_s,
         announce: bool = False,
         new_round: Callable[[int], None] | None = None,
+        forget: Sequence[str] = (),
     ) -> None:
         self.run_dir, self.timeout_s, self.poll_s, self.announce = run_dir, timeout_s, poll_s, announce
-        self.new_round = new_round  # told each round's generation (restarts.RestartLine.on_round)
+        self.new_round, self.forget = new_round, forget
         self.verdict: str | None = None
         self.report_path = run_dir / "hang-report.txt"
         self._round: tuple[int, int, Exchange, int] | None = None  # node rank, nodes, exchange, generation
@@ -78,8 +82,7 @@ class HangMonitor:
                 says so (``stores.peer_unreachable``).
         """
         self.round_store = round_store
-        # The last round's files; a ConfigError's message is no news to a restarted worker.
-        for pattern in ("progress-*", "stacks-*", "exit-*", f"{CONFIG_ERROR}*"):
+        for pattern in ("progress-*", "stacks-*", "exit-*", *self.forget):  # the last round's files
             for path in self.run_dir.glob(pattern):
                 path.unlink(missing_ok=True)
         clone = own_client(store)
