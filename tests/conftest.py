@@ -64,14 +64,15 @@ LONGEST = [
 
 
 def _workers() -> set[int]:
-    """Descendants except multiprocessing's resource tracker, which lives as long as pytest does."""
+    """Descendants except multiprocessing's resource tracker and forkserver (run_ranks'), which
+    live as long as pytest does."""
     found = set()
     for pid in descendants():
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"resource_tracker" not in cmdline:
+        if b"resource_tracker" not in cmdline and b"forkserver" not in cmdline:
             found.add(pid)
     return found
 

@@ -21,7 +21,7 @@ def _rank_world_and_listeners(env) -> tuple[int, int, list[str], list[str]]:
 
 @pytest.mark.slow
 def test_returns_each_ranks_result_and_hosts_the_store_on_loopback():
-    results = run_ranks(_rank_world_and_listeners, 3)
+    results = run_ranks(_rank_world_and_listeners, 3, start_method=None)
     assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
     # The launcher hosts the ranks' store on loopback alone (torch's TCPStore, opened by rank 0
     # itself, would listen on every interface, unauthenticated); rank 0 hosts no store.
@@ -45,7 +45,7 @@ def _rank1_raises_others_wait(env) -> None:
 def test_failing_rank_is_reported_and_others_stopped():
     start = time.monotonic()
     with pytest.raises(ddpkit.LaunchError) as info:
-        run_ranks(_rank1_raises_others_wait, 3)
+        run_ranks(_rank1_raises_others_wait, 3, start_method=None)
     assert info.value.rank == 1
     assert "ValueError: rank one cannot go on" in info.value.detail
     assert "Traceback" in info.value.detail
@@ -60,7 +60,7 @@ def _rank0_killed(env) -> None:
 
 def test_killed_rank_is_reported_with_its_signal():
     with pytest.raises(ddpkit.LaunchError, match="rank 0 failed: killed by SIGKILL"):
-        run_ranks(_rank0_killed, 2)
+        run_ranks(_rank0_killed, 2, start_method=None)
 
 
 @pytest.mark.parametrize("nproc", [0, -1, "2"])

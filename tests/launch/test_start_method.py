@@ -72,3 +72,31 @@ def test_no_fork_on_this_platform_says_so(notebook_main, monkeypatch):
     monkeypatch.setattr(chooser.mp, "get_all_start_methods", lambda: ["spawn"])
     with pytest.raises(ConfigError, match="this platform has no fork; move it to a .py file"):
         start_method(work)
+
+
+def where_and_what(key: str) -> tuple[str, str | None, int]:
+    import os
+
+    return os.getcwd(), os.environ.get(key), os.getppid()
+
+
+def test_a_forkserver_launch_hands_each_process_the_callers_environment_and_folder(tmp_path, monkeypatch):
+    import os
+
+    # The server may have started at an earlier test's launch, with that moment's variables and
+    # folder: each launch hands its own.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPKIT_TEST_MARK", "given at the call")
+    results = ddpkit.launch(where_and_what, 2, ("DDPKIT_TEST_MARK",), start_method="forkserver")
+    assert [r[:2] for r in results] == [(str(tmp_path), "given at the call")] * 2
+    assert all(parent != os.getpid() for _, _, parent in results)  # the server's children, not ours
+
+
+def test_a_start_method_that_cannot_be_had_is_one_line(notebook_main, monkeypatch):
+    with pytest.raises(
+        ConfigError, match=r"start_method='thread'\): this platform has spawn, fork, forkserver"
+    ):
+        start_method(importable, (1,), asked="thread")
+    work, _ = _from_cell(notebook_main)
+    with pytest.raises(ConfigError, match="only fork can hand to a process; leave start_method unset"):
+        start_method(work, (1,), asked="forkserver")

@@ -12,7 +12,8 @@ import signal
 import subprocess
 
 import pytest
-from test_run_resume import SLOW, _cmd, _kill_job_at, _model, _ranks, _run, _same, _wait_for_step
+from helpers import saved_weights
+from test_run_resume import SLOW, _cmd, _kill_job_at, _ranks, _run, _same, _wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ def test_with_dataloader_workers_a_killed_job_and_a_killed_rank_both_resume_bit_
     _run(tmp_path / "whole", 2, *run)
     _kill_job_at(tmp_path / "cut", 25, *run)
     assert "resumed from" in _run(tmp_path / "cut", 2, *run).stdout
-    assert _same(_model(tmp_path / "whole"), _model(tmp_path / "cut")), "resumed model differs"
+    assert _same(saved_weights(tmp_path / "whole"), saved_weights(tmp_path / "cut")), "resumed model differs"
 
     out = tmp_path / "restarted"
     proc = subprocess.Popen(
@@ -39,4 +40,4 @@ def test_with_dataloader_workers_a_killed_job_and_a_killed_rank_both_resume_bit_
     said = [line for line in stderr.splitlines() if line.startswith("ddpkit: restart")]
     assert len(said) == 1 and "restart 1 of 1: local rank 0 " in said[0], stderr[-3000:]
     assert f"; the workers resume from step {step} ({out.resolve()}/checkpoints/step-" in said[0], said
-    assert _same(_model(tmp_path / "whole"), _model(out)), "the restarted run's model differs"
+    assert _same(saved_weights(tmp_path / "whole"), saved_weights(out)), "the restarted run's model differs"

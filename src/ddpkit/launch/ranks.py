@@ -42,9 +42,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RESUME = "launching the same function again resumes from the newest checkpoint a ddpkit.Run wrote"
 
 
-def enter_rank(launcher_pid: int, nproc: int) -> None:
-    """What a launched process does first: its own session, death with its launcher, the default
-    handlers for the stop signals (a forked one inherits the launcher's), its share of the cores."""
+def enter_rank(launcher_pid: int | None, nproc: int) -> None:
+    """What a launched process does first: its own session, death with its launcher (None: with
+    its parent, a forkserver that ends with the launcher), the default handlers for the stop
+    signals (a forked one inherits the launcher's), its share of the cores."""
     os.setsid()
     die_with_parent(launcher_pid)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -67,7 +68,7 @@ class LocalRanks:
         child: the function each process runs (``torch.multiprocessing`` passes the local rank).
         args: its other arguments.
         nproc: how many processes.
-        method: ``"spawn"`` or ``"fork"`` (see ``ddpkit.launch.start_method``).
+        method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (see ``ddpkit.launch.start_method``).
         grace_s: how long the ranks get after a stop signal before they are killed.
     """
 

@@ -24,14 +24,17 @@ from ddpkit.errors import ConfigError
 from ddpkit.launch.boot_errors import is_peer_failure
 from ddpkit.launch.failures import LaunchError
 from ddpkit.launch.ranks import LocalRanks, enter_rank
-from ddpkit.launch.start_method import start_method
+from ddpkit.launch.start_method import FORKSERVER
+from ddpkit.launch.start_method import start_method as choose_method
 from ddpkit.launch.stores import LOOPBACK, bound_store
 from ddpkit.launch.uncaught import install_excepthook
 
 STORE_TIMEOUT_S = 300.0  # for this process's own client of the store, which it never uses
 
 
-def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list[Any]:
+def launch(
+    fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (), start_method: str | None = None
+) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` new processes and return what each rank returned.
 
     ``fn`` is defined at module level of an importable file (the children are spawned and import
@@ -46,16 +49,22 @@ def launch(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = ()) -> list
         fn: the function each process runs; it calls ``ddpkit.init_distributed()`` itself.
         nproc: number of processes (ranks 0 .. nproc - 1).
         args: positional arguments passed to ``fn`` in every process.
+        start_method: None (spawn, or fork for a notebook's function), or ``"spawn"``, ``"fork"``
+            or ``"forkserver"``: one server with torch and ddpkit imported forks the processes of
+            every launch from this process, each in milliseconds (start_method.py).
     """
     install_excepthook()  # the caller's script: a ConfigError it leaves uncaught is one line
     if not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc must be a positive integer, got {nproc!r}")
-    method = start_method(fn, args)
+    method = choose_method(fn, args, start_method)
     # This process hosts the ranks' store, on loopback alone: a TCPStore rank 0 opened itself would
     # listen on every interface, and it has no authentication (see ddpkit.launch.stores).
     store = bound_store(LOOPBACK, 0, STORE_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="ddpkit-launch-") as results:
-        child_args = (fn, tuple(args), nproc, store.port, results, os.getpid())
+        # A forkserver's processes are its children, and have its environment and folder: they
+        # are handed the launcher's, as spawn's get them.
+        here = (dict(os.environ), os.getcwd()) if method == FORKSERVER else None
+        child_args = (fn, tuple(args), nproc, store.port, results, os.getpid(), here)
         try:
             LocalRanks(_child, child_args, nproc, method).run()
         except mp.ProcessRaisedException as exc:
@@ -89,9 +98,22 @@ def _first_failure(results: Path, exc: mp.ProcessRaisedException) -> tuple[int, 
 
 
 def _child(
-    local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, results: str, launcher: int
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    nproc: int,
+    port: int,
+    results: str,
+    launcher: int,
+    here: tuple[dict, str] | None,
 ) -> None:
-    enter_rank(launcher, nproc)
+    if (
+        here is not None
+    ):  # forked by a forkserver, which dies with the launcher: the launcher's env and folder
+        os.environ.clear()
+        os.environ.update(here[0])
+        os.chdir(here[1])
+    enter_rank(launcher if here is None else None, nproc)
     install_excepthook()  # a fresh interpreter (spawn): a run starts here
     # The launcher's job is to set these, exactly as torchrun does; dist/ reads them.
     os.environ.update(
