@@ -64,15 +64,17 @@ LONGEST = [
 
 
 def _workers() -> set[int]:
-    """Descendants except multiprocessing's resource tracker and forkserver (run_ranks'), which
-    live as long as pytest does."""
+    """Descendants except the servers that live as long as pytest does: multiprocessing's
+    resource tracker and forkserver (run_ranks'), and the test zygote (tests/zygote.py)."""
     found = set()
     for pid in descendants():
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"resource_tracker" not in cmdline and b"forkserver" not in cmdline:
+        if not any(
+            server in cmdline for server in (b"resource_tracker", b"forkserver", b"ddpkit-test-zygote")
+        ):
             found.add(pid)
     return found
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zygote
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import ddpkit
@@ -88,22 +89,22 @@ def primed_ddpkit(host: str, port: int, wait: float, *args: str) -> list[str]:
 def ddpkit_run(
     script: Path, out: Path, nproc: int, *extra: str, code: int = 0, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """``ddpkit run --nproc N SCRIPT --out OUT EXTRA...``, asserting its exit code."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "run",
-        "--nproc",
-        str(nproc),
-        str(script),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    """``ddpkit run --nproc N SCRIPT --out OUT EXTRA...``, asserting its exit code; the launcher is
+    forked from the test zygote (tests/zygote.py), its workers are fresh interpreters."""
+    args = ["run", "--nproc", str(nproc), str(script), "--out", str(out), *extra]
+    done = zygote.run(args, timeout=timeout)
     assert done.returncode == code, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done
+
+
+def ddpkit_cli(
+    cmd: list, *, capture_output: bool = True, text: bool = True, timeout: float = 300, cwd=None, env=None
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)`` for a ``[sys.executable, "-m",
+    "ddpkit", ...]`` command run to its end, its launcher forked from the test zygote."""
+    assert list(map(str, cmd[:3])) == [sys.executable, "-m", "ddpkit"], cmd[:3]
+    assert capture_output and text, "the zygote's runs capture their output as text"
+    return zygote.run([str(a) for a in cmd[3:]], env=env, cwd=cwd, timeout=timeout)
 
 
 def ddpkit_runs_at_once(

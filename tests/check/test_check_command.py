@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ddpkit_cli
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "own_loop.py"
 
 def _check(tmp_path: Path, *args: str, steps: int = 2) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "ddpkit", "check", "--steps", str(steps), *args]
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    return ddpkit_cli(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
 
 
 def _gaps(stdout: str) -> list[float]:

@@ -7,11 +7,11 @@ bar) and exit non-zero when one fails, so exit code 0 is the whole test.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import ddpkit_cli
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.py"))
 EXPECTED = {
@@ -43,7 +43,7 @@ RUN_ELSEWHERE = {"own_loop", "hf_style", "gan", "task_mlp", "iterations"}
 def test_example_runs_on_two_processes_and_checks_itself(example):
     # --standalone rendezvous on a free port: tests running side by side never collide on 29500.
     command = [sys.executable, "-m", "ddpkit", "run", "--standalone", "--nproc", "2", str(example)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = ddpkit_cli(command, capture_output=True, text=True, timeout=240)
     output = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, f"{example.name} failed (exit {done.returncode}):\n{output}"
     assert example.stem in done.stdout, f"{example.name} printed no summary line:\n{output}"

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from helpers import last_step
+from helpers import ddpkit_cli, last_step
 
 from ddpkit.launch.ports import free_port
 
@@ -61,7 +61,7 @@ def _steps(out) -> dict[int, dict[str, list[int]]]:
 
 def test_a_node_leaves_and_the_rest_finish_the_epoch(tmp_path):
     whole_cmd = [*DDPKIT, *RUN.split(), "--nproc", "2", "--out", str(tmp_path / "whole")]
-    whole = subprocess.run(whole_cmd, capture_output=True, text=True, timeout=240)
+    whole = ddpkit_cli(whole_cmd, capture_output=True, text=True, timeout=240)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     out, port = tmp_path / "elastic", free_port()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import logged_losses, primed_ddpkit
+from helpers import ddpkit_cli, logged_losses, primed_ddpkit
 from run_scripts import HANG_SCRIPT, SLEEP_SCRIPT, listening
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def one_machine(tmp_path_factory):
     """The reference: the same run as 4 processes on one machine (no namespaces)."""
     out = tmp_path_factory.mktemp("one_machine")
     cmd = [sys.executable, "-m", "ddpkit", "train", *RUN.split(), "--nproc", "4", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **ONE_THREAD})
+    done = ddpkit_cli(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **ONE_THREAD})
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -153,7 +153,7 @@ def test_a_task_file_on_two_machines_equals_one_machine(machines, tmp_path):
     task = [str(TASK), *"--global-batch 32 --steps 8 --eval-every 4 --log-every 1 --seed 5".split()]
     reference = tmp_path / "one_machine"
     cmd = [sys.executable, "-m", "ddpkit", "train", *task, "--nproc", "2", "--out", str(reference)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **ONE_THREAD})
+    done = ddpkit_cli(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **ONE_THREAD})
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "two_nodes"
     launch = f"--nnodes 2 --nproc 1 --master-addr {a['addr']} --master-port {PORT}"

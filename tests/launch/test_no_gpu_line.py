@@ -3,12 +3,12 @@ one line under ``ddpkit run``, naming the script's call and the fix, exit code 2
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from helpers import ddpkit_cli
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 
@@ -34,7 +34,7 @@ def test_each_way_of_asking_for_cuda_is_one_line(tmp_path, form):
         ),
         encoding="utf-8",
     )
-    done = subprocess.run(
+    done = ddpkit_cli(
         # Two ranks once (one line for both), one for the other forms: each launch costs seconds.
         [sys.executable, "-m", "ddpkit", "run", "--nproc", "2" if form == "set_device" else "1", str(script)],
         capture_output=True, text=True, timeout=120,

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import ddpkit_cli
 
 from ddpkit.cli import main
 
@@ -56,7 +57,7 @@ FAILING_SCRIPT = textwrap.dedent(
 
 
 def _ddpkit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return ddpkit_cli(
         [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout
     )
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ddpkit_cli
 from run_scripts import HANG_SCRIPT, ddpkit_run, workers
 
 pytestmark = pytest.mark.slow
@@ -154,7 +155,7 @@ def test_a_users_omp_num_threads_is_honoured(tmp_path, monkeypatch):
 def test_bad_collective_timeout_is_one_line(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("")
-    done = subprocess.run(
+    done = ddpkit_cli(
         [sys.executable, "-m", "ddpkit", "run", "--collective-timeout", "-1", str(script)],
         capture_output=True,
         text=True,

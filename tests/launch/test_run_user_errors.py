@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import ddpkit_cli
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,7 @@ def _script(tmp_path: Path, text: str) -> str:
 
 def _ddpkit_run(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "ddpkit", "run", "--nproc", str(nproc), script, *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180)
+    return ddpkit_cli(command, capture_output=True, text=True, timeout=180)
 
 
 def _torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:

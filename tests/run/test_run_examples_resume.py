@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ddpkit_cli
 from test_run_resume import kill_job_at
 
 pytestmark = pytest.mark.slow
@@ -49,17 +50,13 @@ def _cmd(example: str, out: Path, *extra: str) -> list[str]:
     ],
 )
 def test_example_resumes_bit_for_bit_after_sigkill(tmp_path, example, extra, kill_after, weights):
-    whole = subprocess.run(
-        _cmd(example, tmp_path / "whole", *extra), capture_output=True, text=True, timeout=240
-    )
+    whole = ddpkit_cli(_cmd(example, tmp_path / "whole", *extra), capture_output=True, text=True, timeout=240)
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed_at = kill_job_at(_cmd(example, tmp_path / "cut", *extra), tmp_path / "cut", kill_after)
     assert not (tmp_path / "cut" / weights[0]).exists(), (
         f"the run finished before the kill (step {killed_at})"
     )
-    resumed = subprocess.run(
-        _cmd(example, tmp_path / "cut", *extra), capture_output=True, text=True, timeout=240
-    )
+    resumed = ddpkit_cli(_cmd(example, tmp_path / "cut", *extra), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     for name in weights:
@@ -87,13 +84,9 @@ def test_the_documented_own_script_runs_on_two_processes_and_resumes(tmp_path):
         "2",
         str(docs / "ddpkit_run.py"),
     ]
-    first = subprocess.run(
-        [*command, "1", "1", "64"], cwd=tmp_path, capture_output=True, text=True, timeout=240
-    )
+    first = ddpkit_cli([*command, "1", "1", "64"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
-    again = subprocess.run(
-        [*command, "2", "1", "64"], cwd=tmp_path, capture_output=True, text=True, timeout=240
-    )
+    again = ddpkit_cli([*command, "2", "1", "64"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "step-00000032" in again.stdout  # epoch 1 of 2048 / 64
     steps = [

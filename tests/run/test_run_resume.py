@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import descendants, last_step, logged_losses, saved_weights
+from helpers import ddpkit_cli, descendants, last_step, logged_losses, saved_weights
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,7 @@ def _cmd(out: Path, nproc: int, *extra: str, launch: tuple[str, ...] = ()) -> li
 
 
 def _run(out: Path, nproc: int, *extra: str, launch: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        _cmd(out, nproc, *extra, launch=launch), capture_output=True, text=True, timeout=240
-    )
+    done = ddpkit_cli(_cmd(out, nproc, *extra, launch=launch), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done
 

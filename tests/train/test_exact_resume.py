@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import last_step, logged_losses, saved_weights
+from helpers import ddpkit_cli, last_step, logged_losses, saved_weights
 
 TOY = ["toy", "--global-batch", "12", "--log-every", "1", "--seed", "3"]
 
@@ -23,7 +23,7 @@ def _cmd(out, nproc: int, *extra: str) -> list[str]:
 
 
 def _run(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(_cmd(out, nproc, *extra), capture_output=True, text=True, timeout=240)
+    done = ddpkit_cli(_cmd(out, nproc, *extra), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (
         f"exit {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-3000:]}"
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import descendants, last_step
+from helpers import ddpkit_cli, descendants, last_step
 
 from ddpkit.launch.restarts import EVENTS
 from ddpkit.run.monitor.metrics import read_metrics
@@ -67,7 +67,7 @@ def _kill_a_worker_after(proc: subprocess.Popen, out: Path, step: int) -> int:
 
 
 def test_killed_workers_restart_and_finish_bit_identical(tmp_path):
-    whole = subprocess.run(
+    whole = ddpkit_cli(
         [sys.executable, "-m", "ddpkit", "train", *RUN, "--out", str(tmp_path / "whole")],
         capture_output=True,
         text=True,

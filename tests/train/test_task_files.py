@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ddpkit_cli
 
 from ddpkit.cli import main
 from ddpkit.train.command import parse, train_parser
@@ -20,7 +21,7 @@ EXAMPLE = str(Path(__file__).parents[2] / "examples" / "task_mlp.py")
 
 def _train(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "ddpkit", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    return ddpkit_cli(cmd, capture_output=True, text=True, timeout=240)
 
 
 MLP = [EXAMPLE, "--nproc", "2", "--global-batch", "64", "--lr", "0.05"]

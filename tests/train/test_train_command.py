@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from helpers import ddpkit_cli
 
 from ddpkit.cli import main
 from ddpkit.models.convnet import ConvNet
@@ -17,7 +18,7 @@ from ddpkit.models.toy import ToyModel
 
 def _train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "ddpkit", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return ddpkit_cli(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def _records(out) -> list[dict]:

@@ -1,0 +1,180 @@
+"""`python -m ddpkit ARGS` for the tests, started in milliseconds: forked from a server that has
+torch and ddpkit's launcher imported once (about 1.7 CPU-seconds of imports a launch otherwise).
+
+The server is this file run as a script, one per test process, started at the first call of
+``run`` and ended with the test process (it exits once its parent is gone). Each call sends the
+command's arguments, environment and folder, and its output files' descriptors, over a Unix
+socket; the server forks, and the child becomes the launcher: its own process, with its own pid,
+whose workers are its children, started by torch's elastic agent as any launcher's are. Only the
+launcher is forked: every worker is a fresh interpreter. Tests of what a launcher's process is
+(its signals, its session, its parent) start it themselves with subprocess.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+NAME = "ddpkit-test-zygote"  # in the server's command line: conftest's leftover check skips it
+
+
+def _serve(path: str) -> None:
+    import ddpkit.cli  # noqa: F401  (the imports every launch shares, done once)
+    import ddpkit.launch.elastic  # noqa: F401
+    import ddpkit.train.command  # noqa: F401
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    server.settimeout(1.0)
+    parent = os.getppid()
+    print("ready", flush=True)
+    while True:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the test process is gone
+                os._exit(0)
+            continue
+        conn.settimeout(None)
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            server.close()
+            _become(request, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(struct.pack("!i", pid))
+        threading.Thread(target=_report_exit, args=(conn, pid), daemon=True).start()
+
+
+def _report_exit(conn: socket.socket, pid: int) -> None:
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)  # -N for a signal, as subprocess says
+    try:
+        conn.sendall(struct.pack("!i", code))
+    finally:
+        conn.close()
+
+
+def _become(request: dict, fds: list[int]) -> None:
+    """In the forked child: the launcher the request describes, then exit with its code."""
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        if request["session"]:
+            os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [sys.executable, *request["args"]]
+        sys.path[0] = request["cwd"]  # as `python -m` puts it first
+        import ddpkit.cli
+
+        try:
+            code = ddpkit.cli.main(request["args"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # noqa: BLE001 (as the interpreter would: the hook, then exit 1)
+            sys.excepthook(*sys.exc_info())
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code if isinstance(code, int) else 1)
+
+
+class _Server:
+    """This test process's server, started at the first launch."""
+
+    def __init__(self) -> None:
+        self.path = tempfile.mktemp(prefix="ddpkit-zygote-", suffix=".sock", dir="/tmp")
+        command = [sys.executable, __file__, self.path, NAME]
+        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready", "the test zygote did not start"
+
+
+_server: _Server | None = None
+
+
+def run(
+    args: list[str],
+    env: dict | None = None,
+    cwd: str | Path | None = None,
+    timeout: float = 300,
+    new_session: bool = False,
+) -> subprocess.CompletedProcess:
+    """``python -m ddpkit ARGS`` to its end, forked from the server: its exit code and output, as
+    ``subprocess.run(..., capture_output=True, text=True)`` gives them. Past ``timeout`` it is
+    killed (with its session, if it has one) and ``subprocess.TimeoutExpired`` raised."""
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _Server()
+    request = {
+        "args": list(map(str, args)),
+        "env": dict(os.environ if env is None else env),
+        "cwd": str(cwd or os.getcwd()),
+        "session": new_session,
+    }
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        with open(os.devnull) as devnull, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(_server.path)
+            socket.send_fds(
+                conn, [json.dumps(request).encode()], [devnull.fileno(), out.fileno(), err.fileno()]
+            )
+            (pid,) = struct.unpack("!i", _read(conn, 4))
+            conn.settimeout(timeout)
+            try:
+                (code,) = struct.unpack("!i", _read(conn, 4))
+            except TimeoutError:
+                _kill(pid, new_session)
+                conn.settimeout(30)
+                _read(conn, 4)
+                raise subprocess.TimeoutExpired(
+                    ["python", "-m", "ddpkit", *request["args"]], timeout
+                ) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            ["python", "-m", "ddpkit", *request["args"]], code, out.read(), err.read()
+        )
+
+
+def _read(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the test zygote closed the connection")
+        data += chunk
+    return data
+
+
+def _kill(pid: int, session: bool) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL) if session else os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
