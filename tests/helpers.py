@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -112,26 +112,18 @@ def ddpkit_runs_at_once(
 ) -> dict[str, int]:
     """``ddpkit run --standalone ARGS`` for every ``name: ARGS`` at once (on 2 cores side by side
     beats one after the other), each one's output in ROOT/NAME.log; their exit codes. Each runs in
-    a session of its own, so one that hangs is killed with its workers, by process group."""
-    started = {}
-    try:
-        for name, args in runs.items():
-            with open(root / f"{name}.log", "w") as log:
-                started[name] = subprocess.Popen(
-                    [sys.executable, "-m", "ddpkit", "run", "--standalone", *args],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-        for proc in started.values():
-            proc.wait(timeout=timeout)
-    finally:
-        for proc in started.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return {name: proc.returncode for name, proc in started.items()}
+    a session of its own, so one that hangs is killed with its workers, by process group; its
+    launcher is forked from the test zygote."""
+
+    def one(name: str) -> int:
+        args = ["run", "--standalone", *runs[name]]
+        return zygote.run(
+            args, env=env, timeout=timeout, new_session=True, log=root / f"{name}.log"
+        ).returncode
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        codes = {name: pool.submit(one, name) for name in runs}
+        return {name: code.result() for name, code in codes.items()}
 
 
 def metric_lines(out: Path) -> list[dict]:

@@ -13,6 +13,7 @@ launcher is forked: every worker is a fresh interpreter. Tests of what a launche
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -121,9 +122,11 @@ def run(
     cwd: str | Path | None = None,
     timeout: float = 300,
     new_session: bool = False,
+    log: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``python -m ddpkit ARGS`` to its end, forked from the server: its exit code and output, as
-    ``subprocess.run(..., capture_output=True, text=True)`` gives them. Past ``timeout`` it is
+    ``subprocess.run(..., capture_output=True, text=True)`` gives them (with ``log``: both
+    streams into that file, as ``stderr=STDOUT``, and none returned). Past ``timeout`` it is
     killed (with its session, if it has one) and ``subprocess.TimeoutExpired`` raised."""
     global _server
     if _server is None or _server.proc.poll() is not None:
@@ -134,12 +137,17 @@ def run(
         "cwd": str(cwd or os.getcwd()),
         "session": new_session,
     }
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        with open(os.devnull) as devnull, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+    command = ["python", "-m", "ddpkit", *request["args"]]
+    with contextlib.ExitStack() as files:
+        if log is None:
+            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+        else:
+            out = err = files.enter_context(open(log, "w+"))  # both streams, as stderr=STDOUT
+        devnull = files.enter_context(open(os.devnull))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(_server.path)
-            socket.send_fds(
-                conn, [json.dumps(request).encode()], [devnull.fileno(), out.fileno(), err.fileno()]
-            )
+            fds = [devnull.fileno(), out.fileno(), err.fileno()]
+            socket.send_fds(conn, [json.dumps(request).encode()], fds)
             (pid,) = struct.unpack("!i", _read(conn, 4))
             conn.settimeout(timeout)
             try:
@@ -148,14 +156,12 @@ def run(
                 _kill(pid, new_session)
                 conn.settimeout(30)
                 _read(conn, 4)
-                raise subprocess.TimeoutExpired(
-                    ["python", "-m", "ddpkit", *request["args"]], timeout
-                ) from None
+                raise subprocess.TimeoutExpired(command, timeout) from None
+        if log is not None:
+            return subprocess.CompletedProcess(command, code, "", "")
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(
-            ["python", "-m", "ddpkit", *request["args"]], code, out.read(), err.read()
-        )
+        return subprocess.CompletedProcess(command, code, out.read(), err.read())
 
 
 def _read(conn: socket.socket, n: int) -> bytes:
