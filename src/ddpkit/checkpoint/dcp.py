@@ -9,9 +9,10 @@ A sharded checkpoint folder::
                      manifest.json  (digests of all of them, written last)
 
 Rank 0 makes the hidden temporary folder and broadcasts its name, every rank writes its shards
-into it with DCP (``sync_files``: each file fsynced) and hashes its own files, and once DCP's own
-gather says every rank has written, rank 0 gathers the hashes, writes state.pt (hashed as it is
-written) and the manifest of every file and renames the folder into place
+into it with DCP (``sync_files``: each file fsynced), each file hashed as its bytes go out
+(``HashingWriter``: nothing is read back), and once DCP's own gather says every rank has
+written, rank 0 gathers the hashes, writes state.pt (hashed as it is written too) and the
+manifest of every file and renames the folder into place
 (``store.commit_save``). A kill at any point leaves a hidden folder that is never loaded.
 With ``async_save`` the same steps run in each rank's writer thread (``save_sharded_async``).
 DCP reshards on load, so the checkpoint resumes on any number of processes. The folder must be
@@ -20,19 +21,50 @@ one every rank can read and write (a shared filesystem across machines), as DCP 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ddpkit.checkpoint.background import BackgroundWriter
-from ddpkit.checkpoint.manifest import STATE, file_entry
+from ddpkit.checkpoint.files import HashedWrite
+from ddpkit.checkpoint.manifest import STATE
 from ddpkit.checkpoint.store import CheckpointError, begin_save, commit_save
 
 # What state.pt holds in place of a part whose tensors are in the DCP files.
 SHARDED = {"ddpkit_sharded": "torch.distributed.checkpoint"}
+
+
+def hashing_writer(path: Path) -> Any:
+    """DCP's ``FileSystemWriter`` over ``path`` (each file fsynced) whose files are hashed as they
+    are written: after the save, its ``entries`` map each file this rank wrote (its shards; on the
+    coordinator ``.metadata`` too) to its manifest entry."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entries: dict[str, dict] = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with HashedWrite(open(path, mode)) as stream:
+                yield stream
+            # DCP writes .metadata as .metadata.tmp and renames it; a thread a file, one key each.
+            self.entries[Path(path).name.removesuffix(".tmp")] = stream.entry()
+
+    writer = FileSystemWriter(path, sync_files=True)
+    writer.fs = HashingFileSystem()  # the one FileSystem the writer opens every file through
+    return writer
 
 
 def is_sharded_entry(value: object) -> bool:
@@ -53,12 +85,13 @@ def save_sharded(
 
     final, tmp = _begin(directory, step, state, rank0, keep_last)
     try:
-        dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        writer = hashing_writer(tmp)
+        dcp.save(shards, storage_writer=writer)
     except BaseException:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _commit(final, tmp, step, state, rank0, keep_last, None)
+    return _commit(final, tmp, step, state, rank0, keep_last, None, writer.fs.entries)
 
 
 def save_sharded_async(
@@ -85,9 +118,10 @@ def save_sharded_async(
     if writer.group is None:  # made once, by every rank at the same (collective) save
         writer.group = dist.new_group(backend="gloo")
     final, tmp = _begin(directory, step, state, rank0, keep_last)
+    storage = hashing_writer(tmp)
     shards_written = dcp.async_save(
         shards,
-        storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+        storage_writer=storage,
         process_group=writer.group,
         async_stager=writer.stager,  # its host buffers serve every save of the run
     )
@@ -96,7 +130,7 @@ def save_sharded_async(
 
     def land() -> None:
         shards_written.result()
-        _commit(final, tmp, step, copied, rank0, keep_last, group)
+        _commit(final, tmp, step, copied, rank0, keep_last, group, storage.fs.entries)
 
     writer.submit(land)
     return final if rank0 else None
@@ -117,12 +151,18 @@ def _begin(directory: Path, step: int, state: dict | None, rank0: bool, keep_las
 
 
 def _commit(
-    final: Path, tmp: Path, step: int, state: dict | None, rank0: bool, keep_last: int, group: Any
+    final: Path,
+    tmp: Path,
+    step: int,
+    state: dict | None,
+    rank0: bool,
+    keep_last: int,
+    group: Any,
+    mine: dict[str, dict],
 ) -> Path | None:
-    """Each rank hashes the files it wrote (DCP names them __RANK_N.distcp), all ranks at once, and
-    rank 0 gathers the entries and commits: the checkpoint is hashed in S/N a rank, not S on
-    rank 0. Collective over ``group`` (None: the default group)."""
-    mine = {p.name: file_entry(p) for p in tmp.glob(f"__{dist.get_rank()}_*.distcp")}
+    """Rank 0 gathers the entries of the files each rank hashed as it wrote them (``mine``) and
+    commits: the checkpoint is hashed in S/N a rank, on its way to the disk, and read back by
+    none. Collective over ``group`` (None: the default group)."""
     everyone: list[dict] | None = [{}] * dist.get_world_size() if rank0 else None
     dist.gather_object(mine, everyone, dst=0, group=group)
     if not rank0:

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -40,6 +41,54 @@ def digest_file(path: Path, kind: str = DIGEST, chunk_bytes: int = 1 << 24) -> s
             digest.update(block)
             _hashed[0] += len(block)
     return digest.hexdigest()
+
+
+class HashedWrite:
+    """A file being written whose digest is taken from the bytes on their way out, so that nothing
+    is read back to hash it. Written from its start and never sought: its ``tell`` is the bytes
+    written (what DCP's writer asks for an item's offset).
+
+    Args:
+        raw: the file, opened for writing in binary mode; closed with this.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.digest, self.size = raw, DIGESTS[DIGEST](), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        self.digest.update(view[:written])
+        self.size += written
+        return written
+
+    def entry(self) -> dict:
+        """The file's manifest entry: its digest and size, as written."""
+        assert self.digest is not None, "a file cut short after its bytes were hashed has no entry"
+        return {DIGEST: self.digest.hexdigest(), "bytes": self.size}
+
+    def truncate(self, size: int) -> int:
+        """Cut the file (a write that failed half-way): its digest is gone with the bytes."""
+        self.digest, self.size = None, size
+        return self.raw.truncate(size)
+
+    def tell(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __enter__(self) -> HashedWrite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def hashed_bytes() -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.checkpoint.files import exchange, fsync_dir, raise_if_disk_full, state_bytes
+from ddpkit.checkpoint.files import HashedWrite, exchange, fsync_dir, raise_if_disk_full, state_bytes
 from ddpkit.checkpoint.loadable import weights_only_problem, weights_only_reason
 from ddpkit.checkpoint.manifest import (
     STATE,
@@ -124,14 +124,13 @@ def _temp_path(final: Path, kind: str = "") -> Path:
 
 
 def _write(tmp: Path, step: int, state: dict, files: tuple, known: dict) -> None:
-    # Written plainly, then hashed from the page cache with xxh3_128: cheaper than hashing each
-    # block with sha256 as torch.save hands it over, in Python (docs/fsdp.md, "Checkpoint hashing").
-    with open(tmp / STATE, "wb") as f:
+    # Hashed (xxh3_128) as torch.save hands the bytes over: nothing is read back for the manifest.
+    with HashedWrite(open(tmp / STATE, "wb")) as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     _check_loadable(tmp / STATE, step)
-    write_manifest(tmp, step, [STATE, *files], known)
+    write_manifest(tmp, step, [STATE, *files], {**known, STATE: f.entry()})
     fsync_dir(tmp)
 
 
