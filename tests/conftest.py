@@ -64,17 +64,19 @@ LONGEST = [
 
 
 def _workers() -> set[int]:
-    """Descendants except the servers that live as long as pytest does: multiprocessing's
-    resource tracker and forkserver (run_ranks'), and the test zygote (tests/zygote.py)."""
+    """Descendants except multiprocessing's resource trackers and the servers that live as long as
+    pytest does, each a child of this process: multiprocessing's forkserver (run_ranks') and the
+    test zygote (tests/zygote.py). What those two fork (ranks, launchers) shares their command
+    line but is a grandchild, and is counted."""
     found = set()
     for pid in descendants():
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if not any(
-            server in cmdline for server in (b"resource_tracker", b"forkserver", b"ddpkit-test-zygote")
-        ):
+        server = any(name in cmdline for name in (b"forkserver", b"ddpkit-test-zygote"))
+        if b"resource_tracker" not in cmdline and not (server and parent == os.getpid()):
             found.add(pid)
     return found
 

@@ -1,7 +1,7 @@
 """Where one rank's run is: the step state, written by the step cycle alone and read by the rest.
 
-``StepCycle`` (run/step/cycle.py, run/step/boundary.py) owns one ``StepState`` and is the only
-code that assigns its fields (tests/test_state_owners.py checks that). The gated optimizers,
+``StepCycle`` (run/step/cycle.py) owns one ``StepState`` and is the only code that assigns its
+fields (tests/test_state_owners.py checks that). The gated optimizers,
 schedulers and EMAs (run/step/optim.py, run/state/ema.py) and the engine wrapper
 (run/engine/wrap.py, run/engine/local.py) are handed the same object when they are made and read
 it when they act: no flag is pushed into them per step, and nothing is set on the user's model.
