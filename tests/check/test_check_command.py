@@ -1,7 +1,8 @@
 """``ddpkit check`` on a user's script, as a user runs it: a plain loop (tests/check/check_script.py)
 and examples/own_loop.py are the same run (exit 0); the script with BatchNorm, with an nn.Dropout
 the run does not key, or with a Mixup over the micro-batch is not, and the check names the habit
-whose switching off closes the gap, with its fix (exit 1). The script's own out= is left untouched."""
+whose switching off closes the gap, with its fix (exit 1). The script's own out= is left untouched,
+and the noise floor is measured (non-zero where the thread count changes a sum)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ddpkit_cli
+
+import ddpkit.check
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +66,17 @@ def test_a_habit_that_breaks_the_run_is_named_by_switching_it_off(tmp_path, flag
     assert len(causes) == 1 and cause in causes[0] and "Fix: " in causes[0], done.stdout
     left = float(re.search(r"switched off, the gap is (\d\.\de[+-]\d+)", causes[0]).group(1))
     assert left <= 1e-6, causes[0]
+
+
+def test_the_floor_is_measured_not_assumed(tmp_path, monkeypatch):
+    # One process with 1 thread against its default (2 here): a sum over a million weights is cut
+    # into other partial sums, so the floor is not zero; the library call, as a test would use it.
+    monkeypatch.chdir(tmp_path)
+    if torch.get_num_threads() < 2:
+        pytest.skip("one CPU thread: no other cut of the sums to measure")
+    report = ddpkit.check.compare(SCRIPT, ["--penalty"], nprocs=(1,), steps=1)
+    assert report.same and report.floor.startswith("1 process with 1 CPU thread"), report
+    assert max(report.rows[0].floor) > 0, report.rows
 
 
 def test_a_failing_script_is_exit_code_2_with_its_error(tmp_path):

@@ -41,8 +41,8 @@ class Suspect:
         what: the habit, in the verdict's words.
         fix: the option or recipe that keeps the run the same on any world size.
         seen: words of rank 0's first-step line that says the habit is there (first_step.py);
-            without that line the suspect is not rerun. None: always rerun (the loop's draws,
-            which that line can miss).
+            without that line the suspect is not rerun. None: rerun when no suspect rank 0 saw
+            closes the gap (the loop's draws, which that line can miss).
     """
 
     name: str
