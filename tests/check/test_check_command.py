@@ -74,9 +74,13 @@ def test_the_floor_is_measured_not_assumed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if torch.get_num_threads() < 2:
         pytest.skip("one CPU thread: no other cut of the sums to measure")
-    report = ddpkit.check.compare(SCRIPT, ["--penalty"], nprocs=(1,), steps=1)
+    report = ddpkit.check.compare(SCRIPT, ["--penalty"], nprocs=(1,), steps=1, floor="threads")
     assert report.same and report.floor.startswith("1 process with 1 CPU thread"), report
     assert max(report.rows[0].floor) > 0, report.rows
+    # A GPU's floor, cut as the processes cut the batch (micro-batches of 6 here), on the CPU.
+    report = ddpkit.check.compare(SCRIPT, [], nprocs=(1, 2), steps=1, floor="micro")
+    assert report.same and report.floor == "1 process, its batch cut as 2 processes cut it", report
+    assert report.rows[0].floor is not None and report.rows[0].gaps, report.rows
 
 
 def test_a_failing_script_is_exit_code_2_with_its_error(tmp_path):

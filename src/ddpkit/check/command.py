@@ -4,8 +4,9 @@ Its own flags come before the script, as torchrun's do: everything after the scr
 script's.
 
 Each process count runs the script for K steps under ``ddpkit run`` (worker.py), one after the
-other, and once more on one process with one CPU thread instead of the default (its sums cut
-otherwise: the noise floor of floating point, which no parallel run can beat). For each step the
+other, and once more on one process with its sums cut otherwise: the noise floor of floating
+point, which no parallel run can beat (``--floor``: one CPU thread instead of the default, or on a
+GPU the batch cut into the micro-batches of the largest process count). For each step the
 table holds the global loss's relative difference from one process, and the weights' largest
 difference relative to the largest weight; a process count is the same run when both stay within
 ``factor`` times the floor, or within ``tolerance``. When one is not, the steps up to the first
@@ -20,9 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from ddpkit.check.trials import Limits, Report, RunFailed, compare
+from ddpkit.check.trials import Limits, Report, RunFailed, compare, floor_trial
 from ddpkit.errors import ConfigError, OneLineParser
 
 
@@ -32,6 +31,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps each run takes (default 3)")
     p.add_argument("--tolerance", type=float, default=1e-6, help="same run below this (default 1e-6)")
     p.add_argument("--factor", type=float, default=10.0, help="same run within this times the floor")
+    p.add_argument(
+        "--floor",
+        choices=("auto", "threads", "micro"),
+        default="auto",
+        help="the noise floor: 1 CPU thread (threads), the batch cut as N processes cut it (micro), "
+        "or micro on a GPU and threads on a CPU (auto, the default)",
+    )
     p.add_argument("--keep", default=None, help="keep the runs' folders and logs here")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -82,12 +88,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--steps {ns.steps}: check at least 1 step")
     nprocs = counts(ns.nproc)
     limits = Limits(ns.tolerance, ns.factor)
-    floor = f"1 process with 1 CPU thread instead of {torch.get_num_threads()}"
-    floor = floor if torch.get_num_threads() > 1 else "none (1 core)"
+    floor = floor_trial(ns.floor, nprocs)[1] or "none (1 core)"
     where = ", ".join(map(str, nprocs))
     print(f"ddpkit check: {ns.script}, {ns.steps} steps on {where} process(es); floor: {floor}", flush=True)
     try:
-        report = compare(ns.script, ns.args, tuple(nprocs), ns.steps, limits, ns.keep)
+        report = compare(ns.script, ns.args, tuple(nprocs), ns.steps, limits, ns.keep, ns.floor)
     except RunFailed as exc:
         print(f"ddpkit check: {exc}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ class Trial:
     name: str
     nproc: int
     threads: int | None = None
+    cut: int | None = None  # one process, its batch cut into the micro-batches of this many
     suspect: str | None = None
     steps: int | None = None  # None: the check's
     losses: list[float] | None = None
@@ -82,6 +83,8 @@ def launch(trial: Trial, script: str, args: list[str], steps: int, root: Path) -
     worker = [str(WORKER), "--record", str(record), "--out", str(out), "--steps", str(trial.steps or steps)]
     if trial.suspect is not None:
         worker += ["--suspect", trial.suspect]
+    if trial.cut is not None:
+        worker += ["--cut", str(trial.cut)]
     env = dict(os.environ)
     if trial.threads is not None:
         env["OMP_NUM_THREADS"] = str(trial.threads)
@@ -175,6 +178,21 @@ def find_causes(
             return
 
 
+def floor_trial(how: str, counts: list[int]) -> tuple[Trial | None, str]:
+    """The run the floor is measured on, and its description: ``threads`` (one process with 1 CPU
+    thread instead of its default), ``micro`` (one process, its batch cut into the micro-batches
+    of the largest count: a GPU's, whose sums do not follow the thread count), or ``auto``
+    (micro on a GPU, threads on a CPU)."""
+    if how == "auto":
+        how = "micro" if torch.cuda.is_available() else "threads"
+    if how == "micro":
+        return Trial("floor", 1, cut=counts[-1]), f"1 process, its batch cut as {counts[-1]} processes cut it"
+    default = torch.get_num_threads()
+    if default < 2:
+        return None, ""
+    return Trial("floor", 1, threads=1), f"1 process with 1 CPU thread instead of {default}"
+
+
 def compare(
     script: str | Path,
     args: list[str] | tuple[str, ...] = (),
@@ -182,27 +200,26 @@ def compare(
     steps: int = 3,
     limits: Limits = Limits(),
     keep: str | Path | None = None,
+    floor: str = "auto",
 ) -> Report:
     """Run ``script ARGS`` for ``steps`` steps on each process count (1 always among them) and on
-    the noise floor (1 process with 1 CPU thread), compare them, and name the suspects that close
-    a gap. Raises ``RunFailed`` when a run of the script fails."""
+    the noise floor (``floor_trial``), compare them, and name the suspects that close a gap.
+    Raises ``RunFailed`` when a run of the script fails."""
     script, args, counts = str(script), list(args), sorted(set(nprocs) | {1})
-    default = torch.get_num_threads()
-    how = f"1 process with 1 CPU thread instead of {default}" if default > 1 else ""
+    base, how = floor_trial(floor, counts)
     report = Report(counts, how)
     with tempfile.TemporaryDirectory(prefix="ddpkit-check-") as scratch:
         root = Path(keep or scratch)
         root.mkdir(parents=True, exist_ok=True)
         ref = Trial("nproc1", 1)
         others = [Trial(f"nproc{n}", n) for n in counts[1:]]
-        floor = Trial("floor", 1, threads=1) if default > 1 else None
-        for trial in [ref, *([floor] if floor else []), *others]:
+        for trial in [ref, *([base] if base else []), *others]:
             launch(trial, script, args, steps, root)
-        first = table(ref, floor, others, limits, report)
+        first = table(ref, base, others, limits, report)
         report.said = list(dict.fromkeys(line for t in others for line in t.said))
         if first:
             report.same = False
             worst = next(t for t in others if report.broken.startswith(f"{t.nproc} processes"))
-            limit = limits.of(ref, floor, first)
+            limit = limits.of(ref, base, first)
             find_causes(script, args, worst.nproc, first, limit, root, report)
     return report

@@ -1,7 +1,7 @@
 """One rank of a ``ddpkit check`` run: the user's script, with ``ddpkit.Run`` set up for the check.
 
-Started by ``ddpkit run`` as ``worker.py --record FILE --out DIR --steps K [--suspect NAME] SCRIPT
-ARGS``. Every
+Started by ``ddpkit run`` as ``worker.py --record FILE --out DIR --steps K [--suspect NAME]
+[--cut N] SCRIPT ARGS``. Every
 ``ddpkit.Run`` the script makes gets ``out=DIR`` (a scratch folder: nothing of the user's is read
 or written), ``steps=K``, a metrics line a step, no checkpoint and no resume; the models it sets up
 are watched, and after each optimizer step their weights are taken (as float32, on the CPU). Rank
@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ddpkit
 from ddpkit.check.suspects import NAMES, CentredDraws, freeze_batch_norms, seed_globals_by_step
+from ddpkit.errors import ConfigError
 from ddpkit.run.data.loader import Loader
 
 
@@ -49,9 +50,10 @@ class Recorder:
             self.take(self.run.step)
 
 
-def patch(recorder: Recorder, out: str, steps: int, suspect: str | None) -> None:
-    """Every ``ddpkit.Run`` made from here on is the check's; its set-up models are watched, and
-    ``suspect`` (suspects.py) is switched off."""
+def patch(recorder: Recorder, out: str, steps: int, suspect: str | None, cut: int | None = None) -> None:
+    """Every ``ddpkit.Run`` made from here on is the check's; its set-up models are watched,
+    ``suspect`` (suspects.py) is switched off, and with ``cut`` the batch is cut into the
+    micro-batches ``cut`` processes would cut it into (the floor on a GPU)."""
     make, setup = ddpkit.Run.__init__, ddpkit.Run.setup
 
     def checked_init(run: ddpkit.Run, *given: object, **options: object) -> None:
@@ -59,6 +61,8 @@ def patch(recorder: Recorder, out: str, steps: int, suspect: str | None) -> None
         options.update(steps=steps, save_every=0, log_every=1, progress=False, resume="never")
         if suspect == "dropout":
             options["invariant_dropout"] = True
+        if cut is not None:
+            options["micro_batch"] = cut_micro_batch(options, cut)
         make(run, out, **options)
         recorder.run = run
 
@@ -97,17 +101,31 @@ def patch(recorder: Recorder, out: str, steps: int, suspect: str | None) -> None
         Loader.__iter__ = centred
 
 
+def cut_micro_batch(options: dict, cut: int) -> int:
+    """The micro-batch ``cut`` processes run for the Run ``options`` describe: their share of the
+    global batch, or the script's micro_batch when that is smaller."""
+    global_batch, micro = options.get("global_batch"), options.get("micro_batch")
+    if not isinstance(global_batch, int):
+        raise ConfigError(
+            "ddpkit check --floor micro: the script's ddpkit.Run sets no global_batch=, and the floor "
+            "cuts that batch as the processes would; give it one, or use --floor threads on a CPU"
+        )
+    share = global_batch // cut
+    return min(micro, share) if micro else share
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--record", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--suspect", choices=NAMES, default=None)
+    parser.add_argument("--cut", type=int, default=None)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     recorder = Recorder()
-    patch(recorder, ns.out, ns.steps, ns.suspect)
+    patch(recorder, ns.out, ns.steps, ns.suspect, ns.cut)
     sys.argv = [ns.script, *ns.args]
     sys.path.insert(0, str(Path(ns.script).resolve().parent))
     try:
