@@ -126,6 +126,23 @@ def ddpkit_runs_at_once(
         return {name: code.result() for name, code in codes.items()}
 
 
+def wait_unlocked(out: Path, timeout: float = 15.0) -> bool:
+    """Wait until no process holds OUT's run lock (a killed run's workers die a moment after their
+    launcher: a run started at once, as a forked launcher is, would find the folder in use)."""
+    from ddpkit.checkpoint.lock import check_not_running
+    from ddpkit.errors import ConfigError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            check_not_running(out)
+            return True
+        except ConfigError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
 def metric_lines(out: Path) -> list[dict]:
     """Every line of OUT/metrics.jsonl."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ddpkit_cli, descendants, last_step, logged_losses, saved_weights
+from helpers import ddpkit_cli, descendants, last_step, logged_losses, saved_weights, wait_unlocked
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +52,7 @@ def kill_job_at(cmd: list[str], out: Path, step: int) -> int:
     killed_at = _wait_for_step(proc, out, step)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert wait_unlocked(out), f"a process of the killed job still holds {out}"
     return killed_at
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ddpkit_cli
+from helpers import ddpkit_cli, wait_unlocked
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -315,6 +315,7 @@ def test_three_trackers_get_every_line_once_across_a_kill_and_resume_on_two_proc
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+    assert wait_unlocked(out), f"a process of the killed job still holds {out}"
     done = ddpkit_cli(_job(out), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout and "step-00000020" in done.stdout

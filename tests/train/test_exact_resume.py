@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ddpkit_cli, last_step, logged_losses, saved_weights
+from helpers import ddpkit_cli, last_step, logged_losses, saved_weights, wait_unlocked
 
 TOY = ["toy", "--global-batch", "12", "--log-every", "1", "--seed", "3"]
 
@@ -42,6 +42,7 @@ def _run_and_kill(out, nproc: int, after_step: int, *extra: str) -> int:
     proc.wait()
     # torchrun gives workers sessions of their own; they must die with the launcher, not run on.
     assert _orphans_gone(out), "workers outlived their killed launcher"
+    assert wait_unlocked(out), f"a process of the killed job still holds {out}"
     return last_step(out)
 
 
