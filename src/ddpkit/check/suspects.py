@@ -82,15 +82,14 @@ NAMES = tuple(s.name for s in SUSPECTS)
 
 
 def freeze_batch_norms(model: torch.nn.Module) -> None:
-    """Every BatchNorm of ``model`` in eval mode, now and after any ``model.train()``."""
+    """Every BatchNorm of ``model`` in eval mode at each forward, whatever ``model.train()`` set."""
     for module in model.modules():
         if isinstance(module, _BatchNorm):
-            module.eval()
-            module.train = _stay_in_eval.__get__(module)  # an instance attribute: the class is untouched
+            module.register_forward_pre_hook(_in_eval)
 
 
-def _stay_in_eval(module: torch.nn.Module, mode: bool = True) -> torch.nn.Module:
-    return torch.nn.Module.train(module, False)
+def _in_eval(module: torch.nn.Module, args: tuple) -> None:
+    module.training = False  # running statistics, not the forward's samples'
 
 
 def _centre(func: Callable, args: tuple, kwargs: dict) -> Any:
