@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import ddpkit
-from ddpkit.checkpoint import list_checkpoints, save_checkpoint, verify_checkpoint
-from ddpkit.checkpoint.manifest import file_entry, read_manifest, verify_share
+from ddpkit.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
+from ddpkit.checkpoint.manifest import file_entry, read_manifest, share, verify_share
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shared_verify_cases import hashed_resuming, hashed_training, train  # noqa: E402
@@ -23,16 +23,46 @@ def test_the_ranks_shares_cover_every_file_once(tmp_path):
 
     path = save_checkpoint(tmp_path, 1, {"a": torch.ones(3)})
     manifest = read_manifest(path)
-    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):  # as a sharded checkpoint lists them
+    for name in ("__0_0.distcp", "__1_0.distcp", "__2_0.distcp", ".metadata"):  # a sharded checkpoint's
         (path / name).write_bytes(name.encode())
         manifest["files"][name] = {"xxh3_128": file_entry(path / name)["xxh3_128"], "bytes": len(name)}
     (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     (path / "__1_0.distcp").write_bytes(b"__1_0.distcX")  # the same size, another hash
-    shares = [verify_share(path, rank, 3) for rank in range(3)]
-    # Sorted (.metadata, __0_0, __1_0, state.pt), every 3rd from the rank: rank 2 holds __1_0.
-    assert [len(found) for found in shares] == [0, 0, 1]
-    assert shares[2] == ["xxh3_128 mismatch in __1_0.distcp"]
-    assert verify_checkpoint(path) == shares[2]  # the same finding as one rank hashing everything
+    names = sorted(manifest["files"])
+    # On the world size that wrote them, each rank its own shards (which it loads), state.pt on
+    # every rank (each loads it whole), the rest spread.
+    assert [share(names, rank, 3) for rank in range(3)] == [
+        ["state.pt", "__0_0.distcp", ".metadata"],
+        ["state.pt", "__1_0.distcp"],
+        ["state.pt", "__2_0.distcp"],
+    ]
+    # On another, DCP's files spread over the ranks (each rank loads parts of several).
+    assert [share(names, rank, 2) for rank in range(2)] == [
+        ["state.pt", ".metadata", "__1_0.distcp"],
+        ["state.pt", "__0_0.distcp", "__2_0.distcp"],
+    ]
+    for world in (2, 3):  # every file hashed by some rank before any is loaded
+        assert {n for rank in range(world) for n in share(names, rank, world)} == set(names)
+    found = [verify_share(path, rank, 3) for rank in range(3)]
+    assert found == [[], ["xxh3_128 mismatch in __1_0.distcp"], []]
+    assert verify_checkpoint(path) == found[1]  # the same finding as one rank hashing everything
+
+
+def test_a_loaded_checkpoint_holds_no_mapping_of_its_file(tmp_path):
+    """state.pt is loaded mapped (its pages come from storage once) and every tensor is then
+    copied out: an optimizer keeping one as its state would hold a rotated checkpoint's disk."""
+    import torch
+
+    path = save_checkpoint(tmp_path, 1, {"a": torch.arange(6.0), "nested": [{"b": torch.ones(2)}, (torch.zeros(1),)]})
+    state = load_checkpoint(path)
+    tensors = [state["a"], state["nested"][0]["b"], state["nested"][1][0]]
+    (path / "state.pt").unlink()
+    import gc
+
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(path / "state.pt") not in maps
+    assert torch.equal(tensors[0], torch.arange(6.0)) and torch.equal(tensors[1], torch.ones(2))
 
 
 @pytest.mark.slow
@@ -67,6 +97,9 @@ def test_each_rank_reads_nothing_back_at_save_and_its_share_at_resume(tmp_path):
         assert set(read_manifest(path)["files"]) == {p.name for p in path.iterdir()} - {"manifest.json"}
     resumed = ddpkit.launch(hashed_resuming, 2, (out, 8))
     names = sorted(read_manifest(written[-1])["files"])
-    shares = [sum((written[-1] / name).stat().st_size for name in names[rank::2]) for rank in (0, 1)]
+    shares = [sum((written[-1] / name).stat().st_size for name in share(names, rank, 2)) for rank in (0, 1)]
     assert resumed == shares
-    assert sum(shares) == _bytes(written[-1], "*") - (written[-1] / "manifest.json").stat().st_size
+    state = (written[-1] / "state.pt").stat().st_size  # hashed by both ranks: each loads it whole
+    assert sum(shares) - state == _bytes(written[-1], "*") - (written[-1] / "manifest.json").stat().st_size
+    for rank in (0, 1):  # on the world size that wrote it, each rank hashes the shards it loads back
+        assert f"__{rank}_0.distcp" in share(names, rank, 2)

@@ -18,6 +18,11 @@ GPT of about 30M parameters with AdamW through ``ddpkit.Run`` and times, in alte
   (a host copy and a thread's ``torch.save`` on rank 0, or ``dcp.async_save``) and the step, the
   floor of saving in the background on this machine.
 
+Beside the times, the bytes each rank reads through read calls (``/proc/self/io``'s ``rchar``;
+the most of any rank) in a save (``read@save``: nothing is read back to hash it) and in a resumed
+start (``read@resume``), against the checkpoint's bytes over the ranks (``S/N``): every rank
+hashes state.pt, which it then maps, and the DCP files it loads back itself.
+
 Then the start-up, from ``ddpkit.Run(...)`` to the end of the first step, resuming from the last
 checkpoint (``resumed``) and from a fresh folder (``fresh``), and the plain load of the same form:
 what a plain script resuming does with a new optimizer (``dcp.load`` of the state dicts, set
@@ -63,6 +68,22 @@ def _timed(fn, *args) -> float:
     fn(*args)
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _read_calls() -> int:
+    """Bytes this process has read through read calls so far (Linux ``rchar``; -1 elsewhere)."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration):
+        return -1
+
+
+def _counted(fn, *args) -> tuple[float, int]:
+    """``_timed(fn)`` and the bytes this rank read meanwhile."""
+    before = _read_calls()
+    seconds = _timed(fn, *args)
+    return seconds, _read_calls() - before
 
 
 def _torch_save(model, optimizer, path: Path, atomic: bool) -> None:
@@ -170,12 +191,15 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
         "plain async",
     )
     times: dict[str, list[float]] = {name: [] for name in names}
+    read = {"save": 0, "resume": 0}  # the most any round read
     out = Path(folder) / engine
     run, model, optimizer, step = _session(str(out / "sync"), engine, False)
     step()  # warm-up: AdamW's state exists from here on
     for i in range(rounds):
         times["step"].append(_timed(step))
-        times["save"].append(_timed(run.save))  # between epochs: the checkpoint, now
+        seconds, bytes_read = _counted(run.save)  # between epochs: the checkpoint, now
+        times["save"].append(seconds)
+        read["save"] = max(read["save"], bytes_read)
         if engine != "fsdp":  # a full state dict on rank 0 is not what a sharded run saves
             times["torch.save"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", True))
             times["overwrite"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", False))
@@ -203,13 +227,17 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
     starts: dict[str, list[float]] = {"resume": [], "fresh": []}
     for i in range(rounds):  # alternated, as the rest: one start alone is at the machine's mercy
         for kind, path in (("resume", out / "sync"), ("fresh", out / f"fresh-{i}")):
-            start = time.perf_counter()
+            start, before = time.perf_counter(), _read_calls()
             run, _, _, step = _session(str(path), engine, False)
             step()
             dist.barrier()
             starts[kind].append(time.perf_counter() - start)
+            if kind == "resume":
+                read["resume"] = max(read["resume"], _read_calls() - before)
             run.close()
-    return {"times": times, "starts": starts, "through_dcp": through_dcp}
+    last = sorted((out / "sync" / "checkpoints").glob("step-*"))[-1]
+    size = sum(f.stat().st_size for f in last.iterdir())
+    return {"times": times, "starts": starts, "through_dcp": through_dcp, "read": read, "bytes": size}
 
 
 def main(argv: list[str]) -> int:
@@ -235,7 +263,8 @@ def main(argv: list[str]) -> int:
         "/step",
     )
     print(f"{'nproc':>5} {'engine':>6} " + " ".join(f"{h:>10}" for h in head), end="")
-    print(" " + " ".join(f"{h:>8}" for h in ("fresh", "resumed", "load", "extra/load")))
+    print(" " + " ".join(f"{h:>8}" for h in ("fresh", "resumed", "load", "extra/load")), end="")
+    print(" " + " ".join(f"{h:>11}" for h in ("read@save", "read@resume", "S/N")))
     for nproc in (int(n) for n in ns.nproc.split(",")):
         for engine in ns.engines.split(","):
             with tempfile.TemporaryDirectory(prefix="ddpkit-bench-ckpt-") as folder:
@@ -255,17 +284,25 @@ def main(argv: list[str]) -> int:
                 "async/step": med["async"] / med["step"],
                 "extra/load": (start["resume"] - start["fresh"]) / load,
             }
-            rows.append({"nproc": nproc, "engine": engine, "median_s": med, "start_s": start, **ratios})
+            mb = {k: max(r["read"][k] for r in ranks) / 2**20 for k in ("save", "resume")}
+            share = ranks[0]["bytes"] / nproc / 2**20
+            rows.append(
+                {"nproc": nproc, "engine": engine, "median_s": med, "start_s": start, **ratios}
+                | {"read_mb": mb, "share_mb": share}
+            )
             cells = [med[k] for k in head[:5]] + [ratios["save/same"], med["async"], med["plain async"]]
             cells.append(ratios["async/step"])
             print(f"{nproc:>5} {engine:>6} " + " ".join(f"{c:10.3f}" for c in cells), end="")
             ends = (start["fresh"], start["resume"], load, ratios["extra/load"])
-            print(" " + " ".join(f"{c:8.2f}" for c in ends), flush=True)
+            print(" " + " ".join(f"{c:8.2f}" for c in ends), end="")
+            print(" " + " ".join(f"{c:9.1f}MB" for c in (mb["save"], mb["resume"], share)), flush=True)
     print(
         "save/same: the save over the plain save of the same bytes in the same form (dcp.save when the\n"
         "  run's checkpoint goes through DCP, else torch.save into a new file, renamed)\n"
         "plain async: a thread torch.save-ing a host copy on rank 0 (dcp.async_save on fsdp), and the step\n"
         "extra/load: (resumed - fresh start) / load, the plain load in the same form (dcp or torch.load)\n"
+        "read@save, read@resume: the most bytes a rank read through read calls (rchar) in a save and in a\n"
+        "  resumed start; S/N: the checkpoint's bytes over the ranks\n"
         "goals: save/same <= 1.2; async+step <= 1.2 x step; extra/load <= 1.1"
     )
     if ns.json:

@@ -20,6 +20,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 STEP_DIR = re.compile(r"step-(\d{8,})")
+DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # the file of DCP's rank r: __r_0.distcp
 
 
 def checkpoint_name(step: int) -> str:
@@ -126,15 +127,31 @@ def _problems(path: Path, check) -> list[str]:
 
 
 def verify_share(path: Path, rank: int, world_size: int) -> list[str]:
-    """The problems of this rank's share of a checkpoint's files: every ``world_size``-th file of
-    the manifest from ``rank`` on, so that the ranks together hash each file once, in parallel."""
+    """The problems of this rank's share of a checkpoint's files (``share``), each hashed here."""
     try:
         manifest = read_manifest(path)
     except (FileNotFoundError, ValueError) as exc:
         return [f"unreadable {MANIFEST} ({exc})"]
-    names = sorted(manifest["files"])[rank::world_size]
+    names = share(sorted(manifest["files"]), rank, world_size)
     found = (_check_file(path / name, manifest["files"][name]) for name in names)
     return [p for p in found if p]
+
+
+def share(names: list[str], rank: int, world_size: int) -> list[str]:
+    """The files of a checkpoint that ``rank`` hashes at resume, so that each file is hashed
+    before any is loaded and each rank reads from storage what it loads, once (the load then finds
+    those pages in this machine's page cache).
+
+    state.pt: every rank, which loads it whole (mapped: ``load_checkpoint(mmap=True)``). DCP's
+    files: on the world size that wrote them, rank r's own ``__r_*.distcp`` (the shards it loads
+    back); on another, every ``world_size``-th of them. The rest (``.metadata``) every
+    ``world_size``-th from ``rank`` on.
+    """
+    writers = {int(m.group(1)) for name in names if (m := DCP_FILE.fullmatch(name))}
+    same = writers == set(range(world_size))
+    mine = [n for n in names if (m := DCP_FILE.fullmatch(n)) and int(m.group(1)) == rank] if same else []
+    rest = [n for n in names if n != STATE and not (same and DCP_FILE.fullmatch(n))]
+    return ([STATE] if STATE in names else []) + mine + rest[rank::world_size]
 
 
 def manifest_problems(path: Path, manifest: dict) -> list[str]:

@@ -23,6 +23,7 @@ import re
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -230,9 +231,27 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
             "(--resume PATH), or start over (--resume never)"
         )
     try:
-        return torch.load(path / STATE, map_location=map_location, weights_only=True)
+        # Mapped, not read: the pages the hash brought into the page cache are the ones loaded,
+        # so state.pt comes from storage once (the ranks' shares hash it where it is loaded).
+        mapped = torch.load(path / STATE, map_location=map_location, weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"checkpoint {path} holds objects torch.load(weights_only=True) refuses "
             f"({weights_only_reason(exc)}); it was not written by save_checkpoint, so rewrite it with that"
         ) from exc
+    return _owned(mapped)
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with every CPU tensor copied out of the file's mapping into memory of its own: a
+    mapped tensor an optimizer keeps as its state would hold the file, and its disk space, for the
+    rest of the run, after the checkpoint's rotation removed it."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.device.type == "cpu" else value
+    if isinstance(value, dict | list):  # just loaded, ours to change in place (any subclass)
+        for key in value.keys() if isinstance(value, dict) else range(len(value)):
+            value[key] = _owned(value[key])
+    elif isinstance(value, tuple):
+        items = [_owned(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
