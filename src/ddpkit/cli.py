@@ -53,6 +53,7 @@ BENCHMARKS = {
     "data": "ddpkit.bench.data_bench",
     "setup-memory": "ddpkit.bench.setup_memory",
     "checkpoint": "ddpkit.bench.checkpoint_bench",
+    "bitwise": "ddpkit.bench.bitwise_bench",
 }
 
 

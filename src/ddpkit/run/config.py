@@ -60,12 +60,20 @@ class DataConfig:
             DataLoader given to ``run.loader``, else False (the last partial batch is used).
         shuffle: a new order each epoch, drawn from (seed, epoch) alone. None: the shuffle of the
             DataLoader given to ``run.loader``, else True (a dataset given bare is shuffled).
+        bitwise: the same losses and weights to the bit on 1, 2, 4 ... ``grains`` processes: the
+            global batch is cut into ``grains`` fixed grains, one backward each, their gradients
+            added in one binary tree on every world size (run/invariant/bitwise.py; engines torch
+            and native, map-style datasets, full global batches).
+        grains: the grains of a bitwise run's global batch, a power of two at least the largest
+            world size it will run on; checkpointed with the run.
     """
 
     global_batch: int | None = None
     micro_batch: int | None = None
     drop_last: bool | None = None
     shuffle: bool | None = None
+    bitwise: bool = False
+    grains: int = 8
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "micro_batch"):
@@ -76,6 +84,11 @@ class DataConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(f"{name}={value!r} must be True, False or None (the DataLoader's)")
+        if not isinstance(self.bitwise, bool):
+            raise ConfigError(f"bitwise={self.bitwise!r} must be True or False")
+        grains = self.grains
+        if isinstance(grains, bool) or not isinstance(grains, int) or grains < 1 or grains & (grains - 1):
+            raise ConfigError(f"grains={grains!r} must be a power of two (1, 2, 4, 8, 16 ...)")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from ddpkit.run.config import (
     RunConfig,
     split_options,
 )
+from ddpkit.run.invariant import bitwise
 from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.invariant.seeding import seed_everything
 from ddpkit.run.monitor.monitor import Monitor
@@ -90,13 +91,19 @@ def build_parts(out: str | Path | None, seed: int, backend: str, steps: int | No
         objects["grad_scaler"] = scaler
     gate = OptimizerGate(optim_cfg, scaler, StepState(), HeldGrads(models))
     configs = (cfg, data_cfg, engine_cfg, ckpt_cfg, optim_cfg, diag_cfg)
+    grains = None
     try:
+        if data_cfg.bitwise:  # before anything is loaded: a world or engine that cannot is refused
+            bitwise.check_world(data_cfg.grains, session.env.world_size, engine_cfg.engine, engine_cfg.compression)
+            grains = bitwise.GrainSum(restore_kernels=bitwise.fix_kernels(session.env.device))
         session.open(out, ckpt_cfg, steps)
         params = {k: v for c in configs for k, v in dataclasses.asdict(c).items()}  # for trackers
         monitor = Monitor(session.env, diag_cfg, out, params)
     except BaseException:
+        if grains is not None:
+            grains.restore_kernels()
         session.leave()
         raise
     draws = SampleDraws(seed, session.env.device, eager=engine_cfg.invariant_dropout)
-    cycle = StepCycle(session, monitor, gate, objects, models, out, ckpt_cfg, steps, draws)
+    cycle = StepCycle(session, monitor, gate, objects, models, out, ckpt_cfg, steps, draws, grains)
     return Parts(*configs, session, monitor, draws, cycle, scaler, models, objects, objects[best.NAME])

@@ -247,7 +247,14 @@ class Run:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` (dim 0: its samples) in global-batch order, differentiable: an
         in-batch-negatives loss (InfoNCE, CLIP) over the gathered batch is one process's. Exact
-        when each rank's share is one micro-batch; refused in one line under a smaller micro_batch."""
+        when each rank's share is one micro-batch; refused in one line under a smaller micro_batch
+        and with ``bitwise=True`` (a backward a grain)."""
+        if self._data_cfg.bitwise:
+            raise ConfigError(
+                "run.all_gather gathers the ranks' shares of a step, and bitwise=True runs a backward "
+                "a grain that sees only its own samples; compute in-batch terms within the batch the "
+                "loop is given (the grain, the same on every world size)"
+            )
         self._cycle.first_step.note_gather()
         return all_gather(x, self._cycle.micro, self.env)
 
@@ -281,9 +288,12 @@ class Run:
 
     @property
     def micro_batch(self) -> int | None:
-        """Samples per micro-batch on each rank (``micro_batch=``), None: each rank's whole share
-        of a step in one."""
-        return self._data_cfg.micro_batch
+        """Samples per micro-batch on each rank (``micro_batch=``; with ``bitwise=True`` the grain),
+        None: each rank's whole share of a step in one."""
+        cfg = self._data_cfg
+        if cfg.bitwise and self._train_loader is not None:
+            return self._train_loader.global_batch // cfg.grains
+        return cfg.micro_batch
 
     @property
     def step(self) -> int:

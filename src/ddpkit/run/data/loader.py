@@ -17,11 +17,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.data.sampler import GlobalBatchSampler, weighted_order
 from ddpkit.dist import DistEnv
+from ddpkit.errors import ConfigError
 from ddpkit.run.config import DataConfig, check_split
 from ddpkit.run.data.from_dataloader import batch_size_line
 from ddpkit.run.data.loader_checks import Parts, check_stream, is_stream, loader_parts
 from ddpkit.run.data.map_source import MapSource
 from ddpkit.run.data.stream import StreamSource
+from ddpkit.run.invariant import bitwise
 from ddpkit.run.step.cycle import StepCycle
 
 log = logging.getLogger(__name__)
@@ -98,13 +100,23 @@ def make_source(
     weights, inexact = kwargs.pop("weights", None), kwargs.pop("inexact_resume", False)
     parts = loader_parts(data, cfg, env.device, kwargs, seed)
     check_split(parts.global_batch, env.world_size)
+    micro_batch = cfg.micro_batch
+    if cfg.bitwise:
+        micro_batch = bitwise.grain_size(parts.global_batch, cfg.grains, cfg.micro_batch)
     if is_stream(parts.dataset):
+        if cfg.bitwise:
+            raise ConfigError(
+                "bitwise=True cuts a map-style dataset's global batches into grains; a stream's "
+                "samples are split by rank as they are read: give run.loader a map-style dataset"
+            )
         buffer = check_stream(parts.dataset, weights, inexact)
-        source = StreamSource(env, parts.dataset, parts.global_batch, cfg.micro_batch, parts.kwargs)
+        source = StreamSource(env, parts.dataset, parts.global_batch, micro_batch, parts.kwargs)
         source.inexact_buffer = buffer
     else:
         sampler = make_sampler(parts, env, seed, weights)
-        source = MapSource(parts.dataset, sampler, cfg.micro_batch, parts.kwargs)
+        if cfg.bitwise:
+            bitwise.check_epoch(sampler.num_samples, parts.global_batch, sampler.drop_last)
+        source = MapSource(parts.dataset, sampler, micro_batch, parts.kwargs, cfg.grains if cfg.bitwise else None)
     if parts.batch_size_taken and env.is_rank0:  # the same on every rank: said once
         log.info("%s", batch_size_line(parts.global_batch, env.world_size, cfg.micro_batch))
     return source

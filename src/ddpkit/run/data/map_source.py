@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.data.sampler import GlobalBatchSampler
+from ddpkit.errors import ConfigError
 from ddpkit.run.config import check_same_global_batch
 from ddpkit.run.invariant.seeding import SeededFetch
 from ddpkit.run.micro import Micro
@@ -77,15 +78,21 @@ class MapSource:
         sampler: the run's GlobalBatchSampler over it (its state is the position).
         micro_batch: samples per forward/backward on one rank; None: the whole share.
         dataloader_kwargs: torch DataLoader arguments (workers, collate_fn, pinning, ...).
+        grains: a bitwise run's grains (its position holds them: a resume must cut alike).
     """
 
     per_rank_state = False  # the position is the world's, the same on every rank
     agreement = None  # no collective before a step: every rank knows the epoch's steps
 
     def __init__(
-        self, dataset: Dataset, sampler: GlobalBatchSampler, micro_batch: int | None, dataloader_kwargs: dict
+        self,
+        dataset: Dataset,
+        sampler: GlobalBatchSampler,
+        micro_batch: int | None,
+        dataloader_kwargs: dict,
+        grains: int | None = None,
     ) -> None:
-        self.sampler, self.micro_batch = sampler, micro_batch
+        self.sampler, self.micro_batch, self.grains = sampler, micro_batch, grains
         self._plan_sampler = _PlanSampler()
         # The DataLoader draws its workers' base seed from this generator, not the global one,
         # so creating an iterator (at a resume, say) does not shift the training RNG stream.
@@ -134,9 +141,16 @@ class MapSource:
 
     def state_dict(self) -> dict:
         """The position: samples of the current epoch the world has consumed (not prefetched)."""
-        return {**self.sampler.state_dict(), "global_batch": self.sampler.global_batch}
+        grains = {"grains": self.grains} if self.grains is not None else {}
+        return {**self.sampler.state_dict(), "global_batch": self.sampler.global_batch, **grains}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position; refuses one saved with another global batch."""
+        """Continue from a saved position; refuses one saved with another global batch, or grains."""
         check_same_global_batch(state["global_batch"], self.sampler.global_batch)
-        self.sampler.load_state_dict({k: v for k, v in state.items() if k != "global_batch"})
+        if state.get("grains") != self.grains:
+            then, now = (f"grains={g}" if g else "bitwise off" for g in (state.get("grains"), self.grains))
+            raise ConfigError(
+                f"the checkpoint was made with {then} and this run has {now}; the same bits need the "
+                "same grains: resume with the settings that wrote it, or start a new out"
+            )
+        self.sampler.load_state_dict({k: v for k, v in state.items() if k not in ("global_batch", "grains")})

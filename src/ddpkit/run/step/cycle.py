@@ -34,7 +34,8 @@ from torch import nn
 
 from ddpkit.run.config import CheckpointConfig
 from ddpkit.run.engine.forward_order import agree_before_backward
-from ddpkit.run.engine.wrap import set_grad_sync
+from ddpkit.run.engine.wrap import set_grad_sync, unwrap
+from ddpkit.run.invariant.bitwise import GrainSum
 from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.micro import Micro, to_device, tokens_in
 from ddpkit.run.monitor import notices
@@ -61,6 +62,7 @@ class StepCycle:
         ckpt_cfg: when to checkpoint, and the preemption signals.
         steps: the last step to run, or None.
         draws: the per-sample keys of the loop's and the model's draws.
+        grains: a bitwise run's tree of grain gradients (None: the engines sum them).
     """
 
     def __init__(
@@ -74,9 +76,10 @@ class StepCycle:
         ckpt_cfg: CheckpointConfig,
         steps: int | None,
         draws: SampleDraws,
+        grains: GrainSum | None = None,
     ) -> None:
         self.session, self.env, self.monitor, self.gate = session, session.env, monitor, gate
-        self.models, self.out, self.steps, self.draws = models, out, steps, draws
+        self.models, self.out, self.steps, self.draws, self.grains = models, out, steps, draws, grains
         self.boundary = Boundary(session, monitor, gate, objects, models, out, ckpt_cfg, steps)
         # The step state: written here alone, read by the gate, the engines and the EMAs, which
         # were handed the same object.
@@ -188,7 +191,7 @@ class StepCycle:
         if micro.samples and self.monitor.cfg.log_samples:
             self.indices += micro.indices
         if micro.first or micro.last:  # no_sync on all but the step's last micro-batch
-            set_grad_sync(self.models.values(), micro.last)
+            set_grad_sync(self.models.values(), micro.last and self.grains is None)
 
     def backward(self, loss: torch.Tensor, reduction: str, count: Any) -> None:
         """``run.backward``: the micro-batch's loss scaled to its share of the step (losses.py)."""
@@ -204,6 +207,8 @@ class StepCycle:
         if self.gate.waited and not micro.last:
             self._warn_stale()
         self.state.has_backward = True
+        if self.grains is not None:
+            return self._grain_backward(loss * (scale / self.env.world_size), micro, count)
         self.held.restore(micro.last)  # the step's earlier micro-batches' gradients, to add to
         self._backward(loss * scale if scale != 1.0 else loss)
         if not micro.last:
@@ -212,6 +217,22 @@ class StepCycle:
             # all-reduced gradient, as without micro_batch, never on a partial local one.
             self.held.hold()
         elif count is not None:  # now that the gradient is the step's sum: over the global count
+            self.losses.divide(self.models.values())
+
+    def _grain_backward(self, loss: torch.Tensor, micro: Micro, count: Any) -> None:
+        """``bitwise=True``: the grain's gradient alone (its loss weighed by its share of the
+        global batch, on any world size), added into the step's tree; after the step's last, the
+        ranks' sums added (run/invariant/bitwise.py). Nothing is held between grains but the
+        placeholders, as between micro-batches."""
+        self.held.restore(micro.last)
+        self._backward(loss)
+        params = [p for m in self.models.values() for p in unwrap(m).parameters() if p.requires_grad]
+        self.grains.add(params, micro)
+        if not micro.last:
+            self.held.hold()
+            return
+        self.grains.finish(params)
+        if count is not None:
             self.losses.divide(self.models.values())
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -261,6 +282,8 @@ class StepCycle:
         """The open step's last micro-batch is done: its position moves on, its boundary waits."""
         self.gate.check_stepped(self.step, self.cut)
         self.held.restore()  # a loop left mid-step: the gradients are the user's again
+        if self.grains is not None:
+            self.grains.clear()  # a bitwise step cut short: its grains' sum is dropped
         self.draws.leave()
         self.gate.scaler.update()
         self.source.advance_to(self.micro.consumed)
@@ -315,6 +338,8 @@ class StepCycle:
             return
         self.closed = True
         self.boundary.preemption.restore()
+        if self.grains is not None:
+            self.grains.restore_kernels()  # bitwise's kernel settings, as the run found them
         self.monitor.close(plot)
         self.session.leave()
 
