@@ -62,6 +62,7 @@ def train(
             loss = F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1), ignore_index=IGNORE, reduction="sum")
             optimizer.zero_grad()
             run.backward(loss, count=(y != IGNORE).sum())
+            run.log(acc=(logits.argmax(-1) == y).float().mean(), tokens=(y != IGNORE).sum().item())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
     run.finish()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import logged_losses, wait_unlocked
+from helpers import ddpkit_cli, logged_losses, metric_lines, wait_unlocked
 
 import ddpkit
 from ddpkit.run.invariant.bitwise import GrainSum, check_world, tree_all_reduce
@@ -36,7 +36,12 @@ def runs(tmp_path_factory) -> dict:
         ranks = ddpkit.launch(train, world, (str(out), STEPS))
         for other in ranks[1:]:
             _same_bits(other["weights"], ranks[0]["weights"])
-        found[world] = {"weights": ranks[0]["weights"], "losses": logged_losses(out), "threads": ranks[0]["threads"]}
+        found[world] = {
+            "weights": ranks[0]["weights"],
+            "losses": logged_losses(out),
+            "logged": [(line["acc"], line["tokens"]) for line in metric_lines(out) if "acc" in line],
+            "threads": ranks[0]["threads"],
+        }
     return found
 
 
@@ -45,6 +50,7 @@ def runs(tmp_path_factory) -> dict:
 def test_the_same_losses_and_weights_to_the_bit_on_1_2_and_4_processes(runs, world):
     assert len(runs[1]["losses"]) == STEPS
     assert runs[world]["losses"] == runs[1]["losses"]  # floats compared exactly
+    assert len(runs[1]["logged"]) == STEPS and runs[world]["logged"] == runs[1]["logged"]  # run.log's
     _same_bits(runs[world]["weights"], runs[1]["weights"])
     assert runs[world]["threads"] == runs[1]["threads"] == 1  # one intra-op thread a process
 
@@ -155,3 +161,20 @@ def test_a_resume_with_other_grains_is_refused(tmp_path):
     out = str(tmp_path / "run")
     ddpkit.launch(train, 1, (out, 3))
     assert "made with grains=8 and this run has grains=16" in resumed_with(out, 16)
+
+
+@pytest.mark.slow
+def test_ddpkit_train_gpt_is_the_same_bits_on_1_and_2_processes(tmp_path):
+    """The default GPT of ``ddpkit train gpt``, through its flags (--bitwise --drop-last)."""
+    for nproc in (1, 2):
+        done = ddpkit_cli(
+            [sys.executable, "-m", "ddpkit", "train", "gpt", "--bitwise", "--drop-last", "--nproc", str(nproc)]
+            + ["--steps", "5", "--log-every", "1", "--out", str(tmp_path / str(nproc))],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert len(logged_losses(tmp_path / "1")) == 5
+    assert logged_losses(tmp_path / "2") == logged_losses(tmp_path / "1")
+    _same_bits(torch.load(tmp_path / "2" / "model.pt"), torch.load(tmp_path / "1" / "model.pt"))

@@ -73,7 +73,7 @@ def check_epoch(samples: int, global_batch: int, drop_last: bool) -> None:
         raise ConfigError(
             f"bitwise=True cuts every global batch into the same grains, and the epoch's last batch "
             f"holds {samples % global_batch} of {global_batch} samples; pass drop_last=True to "
-            f"ddpkit.Run, or use a dataset of a multiple of {global_batch} samples"
+            f"ddpkit.Run (ddpkit train: --drop-last), or use a dataset of a multiple of {global_batch} samples"
         )
 
 
