@@ -96,3 +96,23 @@ def test_weights_of_another_model_or_no_file_are_one_line(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=match):
             _setup(NoReset(), weights=weights)
+
+
+@pytest.mark.parametrize("kind", ["torch", "safetensors"])
+def test_a_weights_file_gives_a_shards_part_alone(tmp_path, kind):
+    """``weights=`` on fsdp copies each rank's rows of a tensor (``WeightsSource.get_part``): from a
+    ``torch.save`` file through its mapping, from safetensors through ``get_slice``."""
+    from ddpkit.run.engine.weights_source import WeightsSource
+
+    state = {"w": torch.arange(60.0).reshape(6, 10), "b": torch.arange(6.0)}
+    path = tmp_path / ("w.pt" if kind == "torch" else "w.safetensors")
+    if kind == "torch":
+        torch.save(state, path)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    source = WeightsSource(path)
+    assert torch.equal(source.get_part("w", (slice(2, 4), slice(0, 10))), state["w"][2:4])
+    assert torch.equal(source.get_part("w", (slice(0, 6), slice(5, 7))), state["w"][:, 5:7])
+    assert torch.equal(source.get_part("b", (slice(3, 6),)), state["b"][3:])

@@ -12,7 +12,9 @@ per rank:
   millisecond by a thread;
 - ``steady``: the same peak over 3 AdamW steps after setup (parameters, gradients, optimizer
   state and activations);
-- ``held``: the parameter bytes the rank keeps (its shards).
+- ``held``: the parameter bytes the rank keeps (its shards);
+- ``file`` (meta): the most of the weights file resident in the rank's mappings during setup
+  (its ``Rss`` in /proc/self/smaps): the part of the file it touched, its shards' rows.
 
 Each is also given as a fraction of the full model's fp32 bytes. A rank of the meta build on
 N processes should hold about 1/N of the model, plus one group gathered at a time.
@@ -58,20 +60,38 @@ def anon_mb() -> float:
     return 0.0
 
 
-class PeakSampler:
-    """The highest ``anon_mb`` seen since ``reset``, sampled by a thread every millisecond."""
+def mapped_mb(path: str) -> float:
+    """This process's resident pages of its mappings of the file ``path``, MiB (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                inside = line.rstrip("\n").endswith(" " + path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total / 1024
 
-    def __init__(self) -> None:
-        self.peak, self._stop = anon_mb(), threading.Event()
+
+class PeakSampler:
+    """The highest ``anon_mb`` seen since ``reset``, sampled by a thread every millisecond, and
+    (``watch``: a file's path) the most of that file resident in the process's mappings
+    (``file_peak``, sampled every 5 ms: reading smaps takes milliseconds)."""
+
+    def __init__(self, watch: str | None = None) -> None:
+        self.peak, self.file_peak, self.watch, self._stop = anon_mb(), 0.0, watch, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        tick = 0
         while not self._stop.wait(0.001):
             self.peak = max(self.peak, anon_mb())
+            tick += 1
+            if self.watch is not None and tick % 5 == 0:
+                self.file_peak = max(self.file_peak, mapped_mb(self.watch))
 
     def reset(self) -> float:
-        self.peak = anon_mb()
+        self.peak, self.file_peak = anon_mb(), 0.0
         return self.peak
 
     def stop(self) -> None:
@@ -82,7 +102,7 @@ class PeakSampler:
 def _rank(build: str, layers: int, width: int, weights: str) -> dict:
     import torch.distributed.fsdp  # noqa: F401  (its imports are not the model's memory)
 
-    sampler = PeakSampler()
+    sampler = PeakSampler(watch=weights if build == "meta" else None)
     run = ddpkit.Run(engine="fsdp", global_batch=8, progress=False, backend="gloo")
     base = sampler.reset()  # after the process group and the imports
     try:
@@ -93,7 +113,7 @@ def _rank(build: str, layers: int, width: int, weights: str) -> dict:
         else:
             torch.manual_seed(0)
             model = run.setup(Net(layers, width))
-        setup = sampler.peak - base
+        setup, file_setup = sampler.peak - base, sampler.file_peak
         held = local_bytes(model.parameters()) / 2**20
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         run.track(optimizer)
@@ -104,7 +124,7 @@ def _rank(build: str, layers: int, width: int, weights: str) -> dict:
             run.backward(F.mse_loss(model(x), x))
             optimizer.step()
         steady = sampler.peak - before
-        return {"setup_mb": setup, "steady_mb": steady, "held_mb": held}
+        return {"setup_mb": setup, "steady_mb": steady, "held_mb": held, "file_mb": file_setup}
     finally:
         sampler.stop()
         run.close()
@@ -140,10 +160,10 @@ def main(argv: list[str]) -> int:
     shape = f"{ns.layers} x {ns.width} layers, {model_mb:.0f} MiB of fp32 weights"
     print(f"# ddpkit bench setup-memory: fsdp, {shape}")
     print("# per rank, the largest over ranks: MiB (fraction of the model)")
-    print(f"{'nproc':>5} {'build':>6} {'setup peak':>18} {'steady peak':>18} {'held':>18}")
+    print(f"{'nproc':>5} {'build':>6} {'setup peak':>18} {'steady peak':>18} {'held':>18} {'file':>18}")
     for row in rows:
         cells = []
-        for key in ("setup_mb", "steady_mb", "held_mb"):
+        for key in ("setup_mb", "steady_mb", "held_mb", "file_mb"):
             most = max(rank[key] for rank in row["ranks"])
             cells.append(f"{most:9.0f} ({most / model_mb:.2f}x)")
         print(f"{row['nproc']:>5} {row['build']:>6} " + " ".join(f"{c:>18}" for c in cells))

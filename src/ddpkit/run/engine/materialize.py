@@ -159,9 +159,16 @@ def _fill_module(
     done: set[int],
 ) -> None:
     own = _own(module)
+    key = {name: f"{prefix}.{name}" if prefix else name for _, name, _ in own}
+    if source is not None:  # a sharded tensor the file holds: only this rank's part is read
+        shares = [(kind, name, real) for kind, name, real in own if _is_share(real, key[name], kept, source)]
+        for _, name, real in shares:
+            if id(real) not in done:
+                done.add(id(real))
+                _copy_share(real, source, key[name])
+        own = [entry for entry in own if entry not in shares]
     if not own:
         return
-    key = {name: f"{prefix}.{name}" if prefix else name for _, name, _ in own}
     full = {name: _blank(t) for _, name, t in own}  # this module's tensors, in full, on the CPU
     given = {name for name in full if key[name] in kept or (source is not None and key[name] in source)}
     for name in given:
@@ -211,6 +218,23 @@ def _draw(module: nn.Module, own: list, full: dict, init: Init | None) -> None:
     finally:
         for kind, name, _ in own:
             (module._parameters if kind == "param" else module._buffers)[name] = saved[name][1]
+
+
+def _is_share(real: torch.Tensor, key: str, kept: dict, source: Mapping) -> bool:
+    return getattr(real, "placements", None) is not None and key not in kept and key in source
+
+
+def _copy_share(real: torch.Tensor, source: Mapping, key: str) -> None:
+    """This rank's shard of a DTensor, read from ``source`` alone: the slices its placements give
+    it (``Shard(0)`` on fsdp: its rows), never the whole tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(real.shape, real.device_mesh, real.placements)
+    local = real.to_local()
+    if local.numel():
+        index = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+        part = source.get_part(key, index) if hasattr(source, "get_part") else source[key][index]
+        local.copy_(part)  # copy_ converts the dtype
 
 
 def _copy_into(real: torch.Tensor, full: torch.Tensor) -> None:

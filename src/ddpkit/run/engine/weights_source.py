@@ -4,8 +4,8 @@ A full state dict file of ``torch.save`` (ddpkit's own ``OUT/model.pt`` among th
 with ``mmap=True``; a ``.safetensors`` file through ``safetensors.safe_open``; a HuggingFace
 folder through its ``model.safetensors``, or its ``model.safetensors.index.json`` and the shard
 files it names, or a ``pytorch_model.bin``. Nothing is read until a tensor is asked for, and then
-only that tensor (a rank that keeps a shard of it copies only that shard's rows from the page
-cache), so no rank holds the whole file in its own memory.
+only that tensor, or the part of it a rank's shard holds (``get_part``: its rows), so no rank
+holds the whole file in its own memory, nor touches more of it than its share.
 """
 
 from __future__ import annotations
@@ -103,3 +103,10 @@ class WeightsSource:
         """The tensor saved under ``key``: a view of the mapped file, copied by whoever uses it."""
         reader = self._files[self._where[key]]
         return reader[key] if isinstance(reader, dict) else reader.get_tensor(key)
+
+    def get_part(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The part ``index`` (one slice a dimension) of the tensor under ``key``, reading only its
+        bytes: a view of the mapped ``torch.save`` file (the pages of those rows), or
+        safetensors' ``get_slice`` (those bytes read)."""
+        reader = self._files[self._where[key]]
+        return reader[key][index] if isinstance(reader, dict) else reader.get_slice(key)[index]
