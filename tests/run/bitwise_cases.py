@@ -26,10 +26,17 @@ def dataset() -> TensorDataset:
 
 
 def train(
-    out: str, steps: int, engine: str = "torch", die_at: int | None = None, bitwise: bool = True, **options
+    out: str,
+    steps: int,
+    engine: str = "torch",
+    die_at: int | None = None,
+    bitwise: bool = True,
+    loss_kind: str = "count",
+    **options,
 ) -> dict:
     """Train a small GPT (dropout 0.1, keyed) with AdamW for ``steps`` steps of 16 sequences cut
-    into 8 grains (``bitwise=False``: the default mode); ``die_at``: the process exits at once when that step opens (a kill: no
+    into 8 grains (``bitwise=False``: the default mode; ``loss_kind="sum"``: the token loss as a
+    ``reduction="sum"`` backward instead of ``count=``); ``die_at``: the process exits at once when that step opens (a kill: no
     checkpoint, no goodbye), after the checkpoint of every 3rd step."""
     run = ddpkit.Run(
         out=out,
@@ -61,7 +68,10 @@ def train(
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1), ignore_index=IGNORE, reduction="sum")
             optimizer.zero_grad()
-            run.backward(loss, count=(y != IGNORE).sum())
+            if loss_kind == "count":
+                run.backward(loss, count=(y != IGNORE).sum())
+            else:  # a summed loss: per step, the sum over the global batch
+                run.backward(loss / 16, reduction="sum")
             run.log(acc=(logits.argmax(-1) == y).float().mean(), tokens=(y != IGNORE).sum().item())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

@@ -83,6 +83,13 @@ def test_a_kill_and_a_resume_on_another_world_size_is_bit_equal(runs, tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_summed_loss_keeps_the_bits_on_1_and_2_processes(tmp_path):
+    found = [ddpkit.launch(train, world, (str(tmp_path / str(world)), 6, "torch", None, True, "sum")) for world in (1, 2)]
+    _same_bits(found[1][0]["weights"], found[0][0]["weights"])
+    assert logged_losses(tmp_path / "2") == logged_losses(tmp_path / "1")
+
+
+@pytest.mark.slow
 def test_the_native_engine_keeps_the_bits(runs, tmp_path):
     ranks = ddpkit.launch(train, 2, (str(tmp_path / "native"), STEPS, "native"))
     _same_bits(ranks[0]["weights"], runs[1]["weights"])
