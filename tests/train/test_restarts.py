@@ -87,7 +87,7 @@ def test_killed_workers_restart_and_finish_bit_identical(tmp_path):
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", out)]
     named = [int(re.search(r"the workers resume from step (\d+) \(", line).group(1)) for line in said]
     assert len(said) >= 2 and named == resumed, (said, resumed)
-    assert all(" of 3: local rank " in line and "killed by signal SIGKILL" in line for line in said[:2])
+    assert all(" of 3: local rank " in line and "killed by signal SIGKILL" in line for line in said[:2]), said
     events = read_metrics(tmp_path / "cut" / EVENTS)
     assert [(e["restart"], e["step"]) for e in events] == list(enumerate(named, 1)), events
     summary = summarize(read_metrics(tmp_path / "cut" / "metrics.jsonl"), None, events)
