@@ -53,7 +53,9 @@ def test_a_loaded_checkpoint_holds_no_mapping_of_its_file(tmp_path):
     copied out: an optimizer keeping one as its state would hold a rotated checkpoint's disk."""
     import torch
 
-    path = save_checkpoint(tmp_path, 1, {"a": torch.arange(6.0), "nested": [{"b": torch.ones(2)}, (torch.zeros(1),)]})
+    path = save_checkpoint(
+        tmp_path, 1, {"a": torch.arange(6.0), "nested": [{"b": torch.ones(2)}, (torch.zeros(1),)]}
+    )
     state = load_checkpoint(path)
     tensors = [state["a"], state["nested"][0]["b"], state["nested"][1][0]]
     (path / "state.pt").unlink()

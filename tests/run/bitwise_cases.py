@@ -36,8 +36,9 @@ def train(
 ) -> dict:
     """Train a small GPT (dropout 0.1, keyed) with AdamW for ``steps`` steps of 16 sequences cut
     into 8 grains (``bitwise=False``: the default mode; ``loss_kind="sum"``: the token loss as a
-    ``reduction="sum"`` backward instead of ``count=``); ``die_at``: the process exits at once when that step opens (a kill: no
-    checkpoint, no goodbye), after the checkpoint of every 3rd step."""
+    ``reduction="sum"`` backward instead of ``count=``); ``die_at``: the process exits at once
+    when that step opens (a kill: no checkpoint, no goodbye), after the checkpoint of every 3rd
+    step."""
     run = ddpkit.Run(
         out=out,
         steps=steps,
@@ -66,7 +67,9 @@ def train(
             if bitwise:
                 assert run.micro_batch == 2 and len(x) == 2  # the grain: 16 / 8
             logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1), ignore_index=IGNORE, reduction="sum")
+            loss = F.cross_entropy(
+                logits.reshape(-1, 64), y.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            )
             optimizer.zero_grad()
             if loss_kind == "count":
                 run.backward(loss, count=(y != IGNORE).sum())

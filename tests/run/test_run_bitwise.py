@@ -13,6 +13,7 @@ import torch
 from helpers import ddpkit_cli, logged_losses, metric_lines, wait_unlocked
 
 import ddpkit
+from ddpkit.launch.failures import LaunchError
 from ddpkit.run.invariant.bitwise import GrainSum, check_world, tree_all_reduce
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,7 +75,7 @@ def _plain(out: str) -> dict:
 @pytest.mark.parametrize(("first", "then"), [(2, 4), (4, 1)])
 def test_a_kill_and_a_resume_on_another_world_size_is_bit_equal(runs, tmp_path, first, then):
     out = tmp_path / "run"
-    with pytest.raises(Exception):  # every rank exits 17 as step 8 opens; the last checkpoint is step 6
+    with pytest.raises(LaunchError):  # every rank exits 17 as step 8 opens; the last checkpoint is step 6
         ddpkit.launch(train, first, (str(out), STEPS, "torch", 8))
     assert wait_unlocked(out)
     resumed = ddpkit.launch(train, then, (str(out), STEPS))[0]
@@ -84,7 +85,10 @@ def test_a_kill_and_a_resume_on_another_world_size_is_bit_equal(runs, tmp_path, 
 
 @pytest.mark.slow
 def test_a_summed_loss_keeps_the_bits_on_1_and_2_processes(tmp_path):
-    found = [ddpkit.launch(train, world, (str(tmp_path / str(world)), 6, "torch", None, True, "sum")) for world in (1, 2)]
+    found = [
+        ddpkit.launch(train, world, (str(tmp_path / str(world)), 6, "torch", None, True, "sum"))
+        for world in (1, 2)
+    ]
     _same_bits(found[1][0]["weights"], found[0][0]["weights"])
     assert logged_losses(tmp_path / "2") == logged_losses(tmp_path / "1")
 
@@ -122,7 +126,7 @@ def test_the_grains_of_a_rank_add_as_a_binary_tree():
     params = [torch.nn.Parameter(torch.zeros(257))]
     grads = [torch.randn(257) * 10 ** torch.randint(-4, 4, (257,)).float() for _ in range(4)]
     tree = GrainSum()
-    for i, grad in enumerate(grads):
+    for grad in grads:
         params[0].grad = grad.clone()
         tree.add(params, object())
         assert params[0].grad is None
@@ -150,7 +154,12 @@ def test_a_world_or_engine_that_cannot_keep_the_tree_is_refused(grains, world, e
         ({"grains": 6}, None, False, "grains=6 must be a power of two"),
         ({"global_batch": 12}, None, False, "global_batch=12 does not divide by 8"),
         ({"global_batch": 16, "micro_batch": 4}, None, False, "leave micro_batch unset (it is 4)"),
-        ({"global_batch": 16}, None, False, "the epoch's last batch holds 4 of 16 samples; pass drop_last=True"),
+        (
+            {"global_batch": 16},
+            None,
+            False,
+            "the epoch's last batch holds 4 of 16 samples; pass drop_last=True",
+        ),
         ({"global_batch": 16}, None, True, "give run.loader a map-style dataset"),
         ({"global_batch": 16, "drop_last": True}, None, False, "run.all_gather gathers the ranks' shares"),
     ],
@@ -175,7 +184,17 @@ def test_ddpkit_train_gpt_is_the_same_bits_on_1_and_2_processes(tmp_path):
     """The default GPT of ``ddpkit train gpt``, through its flags (--bitwise --drop-last)."""
     for nproc in (1, 2):
         done = ddpkit_cli(
-            [sys.executable, "-m", "ddpkit", "train", "gpt", "--bitwise", "--drop-last", "--nproc", str(nproc)]
+            [
+                sys.executable,
+                "-m",
+                "ddpkit",
+                "train",
+                "gpt",
+                "--bitwise",
+                "--drop-last",
+                "--nproc",
+                str(nproc),
+            ]
             + ["--steps", "5", "--log-every", "1", "--out", str(tmp_path / str(nproc))],
             capture_output=True,
             text=True,

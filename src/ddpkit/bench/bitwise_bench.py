@@ -97,7 +97,9 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     print(f"# ddpkit bench bitwise ({ns.device}): s/step, medians; ratios bitwise/default [90% interval]")
     head = ("default", "bitwise", "1 thread", "ratio", "interval", "/1 thread")
-    print(f"{'nproc':>5} {'model':>8} " + " ".join(f"{h:>9}" for h in head[:4]) + f" {head[4]:>15} {head[5]:>9}")
+    print(
+        f"{'nproc':>5} {'model':>8} " + " ".join(f"{h:>9}" for h in head[:4]) + f" {head[4]:>15} {head[5]:>9}"
+    )
     rows = []
     for nproc in (int(n) for n in ns.nproc.split(",")):
         for model in ns.models.split(","):

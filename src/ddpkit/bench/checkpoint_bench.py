@@ -79,13 +79,6 @@ def _read_calls() -> int:
         return -1
 
 
-def _counted(fn, *args) -> tuple[float, int]:
-    """``_timed(fn)`` and the bytes this rank read meanwhile."""
-    before = _read_calls()
-    seconds = _timed(fn, *args)
-    return seconds, _read_calls() - before
-
-
 def _torch_save(model, optimizer, path: Path, atomic: bool) -> None:
     """The tutorials' save on rank 0: ``torch.save`` of the state dicts, fsynced; ``atomic``: into a
     new file renamed over the last (what a save that may be killed needs), else over the same file."""
@@ -197,9 +190,9 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
     step()  # warm-up: AdamW's state exists from here on
     for i in range(rounds):
         times["step"].append(_timed(step))
-        seconds, bytes_read = _counted(run.save)  # between epochs: the checkpoint, now
-        times["save"].append(seconds)
-        read["save"] = max(read["save"], bytes_read)
+        before = _read_calls()
+        times["save"].append(_timed(run.save))  # between epochs: the checkpoint, now
+        read["save"] = max(read["save"], _read_calls() - before)
         if engine != "fsdp":  # a full state dict on rank 0 is not what a sharded run saves
             times["torch.save"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", True))
             times["overwrite"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", False))

@@ -94,7 +94,9 @@ def build_parts(out: str | Path | None, seed: int, backend: str, steps: int | No
     grains = None
     try:
         if data_cfg.bitwise:  # before anything is loaded: a world or engine that cannot is refused
-            bitwise.check_world(data_cfg.grains, session.env.world_size, engine_cfg.engine, engine_cfg.compression)
+            bitwise.check_world(
+                data_cfg.grains, session.env.world_size, engine_cfg.engine, engine_cfg.compression
+            )
             grains = bitwise.GrainSum(restore_kernels=bitwise.fix_kernels(session.env.device))
         session.open(out, ckpt_cfg, steps)
         params = {k: v for c in configs for k, v in dataclasses.asdict(c).items()}  # for trackers

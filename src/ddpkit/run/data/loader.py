@@ -116,7 +116,9 @@ def make_source(
         sampler = make_sampler(parts, env, seed, weights)
         if cfg.bitwise:
             bitwise.check_epoch(sampler.num_samples, parts.global_batch, sampler.drop_last)
-        source = MapSource(parts.dataset, sampler, micro_batch, parts.kwargs, cfg.grains if cfg.bitwise else None)
+        source = MapSource(
+            parts.dataset, sampler, micro_batch, parts.kwargs, cfg.grains if cfg.bitwise else None
+        )
     if parts.batch_size_taken and env.is_rank0:  # the same on every rank: said once
         log.info("%s", batch_size_line(parts.global_batch, env.world_size, cfg.micro_batch))
     return source

@@ -73,7 +73,8 @@ def check_epoch(samples: int, global_batch: int, drop_last: bool) -> None:
         raise ConfigError(
             f"bitwise=True cuts every global batch into the same grains, and the epoch's last batch "
             f"holds {samples % global_batch} of {global_batch} samples; pass drop_last=True to "
-            f"ddpkit.Run (ddpkit train: --drop-last), or use a dataset of a multiple of {global_batch} samples"
+            f"ddpkit.Run (ddpkit train: --drop-last), or use a dataset of a multiple of "
+            f"{global_batch} samples"
         )
 
 
@@ -128,7 +129,8 @@ class GrainSum:
                 log.warning(
                     "ddpkit: bitwise=True sets one intra-op thread a process on the CPU and this loop "
                     "runs %d (torch.set_num_threads): the bits then follow the thread count; "
-                    "leave it at 1", torch.get_num_threads()
+                    "leave it at 1",
+                    torch.get_num_threads(),
                 )
         used = torch.tensor([p.grad is not None for p in params], dtype=torch.float64, device=device)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -145,12 +147,15 @@ class GrainSum:
     def finish(self, params: list[nn.Parameter]) -> None:
         """After the step's last grain: the ranks' subtrees added, each gradient set (or None)."""
         if len(self.stack) != 1:
-            raise RuntimeError(f"a step's grains left {len(self.stack)} partial sums; a rank's grains are a subtree")
+            raise RuntimeError(
+                f"a step's grains left {len(self.stack)} partial sums; a rank's grains are a subtree"
+            )
         _, sums, counts = self.stack.pop()
         self.added_in = None
         if len(sums) != len(params):
             raise ConfigError(
-                "bitwise=True: the trainable parameters changed within a step; freeze or unfreeze between steps"
+                "bitwise=True: the trainable parameters changed within a step; freeze or unfreeze "
+                "between steps"
             )
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             for same in _by_dtype(sums + [counts]):  # one flat buffer a dtype: one exchange a level
@@ -191,7 +196,9 @@ def tree_all_reduce(flat: torch.Tensor, group: object = None) -> None:
     while distance < world:
         partner = dist.get_global_rank(group, rank ^ distance) if group is not None else rank ^ distance
         middle = (low + high) // 2
-        keep, give = ((low, middle), (middle, high)) if not rank & distance else ((middle, high), (low, middle))
+        keep, give = (
+            ((low, middle), (middle, high)) if not rank & distance else ((middle, high), (low, middle))
+        )
         received = buffer.new_empty(keep[1] - keep[0])
         _exchange(buffer[give[0] : give[1]], received, partner, group)
         buffer[keep[0] : keep[1]].add_(received)
