@@ -137,3 +137,17 @@ def resumed_with(out: str, grains: int) -> str:
     finally:
         run.close()
     return ""
+
+
+def threads_changed(out: str) -> None:
+    """A bitwise loop that sets its own thread count after Run(): one line says the bits follow it."""
+    run = ddpkit.Run(out=out, steps=1, global_batch=16, bitwise=True, progress=False)
+    model = run.setup(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(optimizer)
+    torch.set_num_threads(2)
+    for x, y in run.loader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1))):
+        optimizer.zero_grad()
+        run.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+    run.finish()

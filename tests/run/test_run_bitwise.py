@@ -17,7 +17,7 @@ from ddpkit.launch.failures import LaunchError
 from ddpkit.run.invariant.bitwise import GrainSum, check_world, tree_all_reduce
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bitwise_cases import refused, resumed_with, train, two_backwards  # noqa: E402
+from bitwise_cases import refused, resumed_with, threads_changed, train, two_backwards  # noqa: E402
 
 STEPS = 10
 
@@ -204,3 +204,13 @@ def test_ddpkit_train_gpt_is_the_same_bits_on_1_and_2_processes(tmp_path):
     assert len(logged_losses(tmp_path / "1")) == 5
     assert logged_losses(tmp_path / "2") == logged_losses(tmp_path / "1")
     _same_bits(torch.load(tmp_path / "2" / "model.pt"), torch.load(tmp_path / "1" / "model.pt"))
+
+
+def test_a_loop_that_sets_its_own_thread_count_is_told(tmp_path, capfd):
+    threads = torch.get_num_threads()
+    threads_changed(str(tmp_path / "run"))
+    assert (
+        "bitwise=True sets one intra-op thread a process on the CPU and this loop runs 2"
+        in capfd.readouterr().err
+    )
+    assert torch.get_num_threads() == threads  # the run's close put the process's count back
