@@ -25,7 +25,10 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 # failure: torch's agent polls its workers every 0.1 s and names the failure with the earliest
 # timestamp, in whole seconds, so an error file written at once can claim the same second as the
 # peer's death, or an earlier one, and the restart line then names this rank instead of the cause.
-PEER_WAIT_S = 1.0
+# Three seconds, not one: on a loaded machine the agent's poll lags (a 2-core run under load once
+# named the rank that saw its peer go, instead of the one killed). The agent stops this rank as
+# soon as it sees the dead one, so the wait is cut short whenever the cause is on this node.
+PEER_WAIT_S = 3.0
 
 
 def is_peer_failure(exc: BaseException) -> bool:
