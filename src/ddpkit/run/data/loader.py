@@ -120,7 +120,7 @@ def make_source(
             parts.dataset, sampler, micro_batch, parts.kwargs, cfg.grains if cfg.bitwise else None
         )
     if parts.batch_size_taken and env.is_rank0:  # the same on every rank: said once
-        log.info("%s", batch_size_line(parts.global_batch, env.world_size, cfg.micro_batch))
+        log.info("%s", batch_size_line(parts.global_batch, env.world_size, micro_batch))
     return source
 
 

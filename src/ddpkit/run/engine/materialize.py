@@ -161,12 +161,12 @@ def _fill_module(
     own = _own(module)
     key = {name: f"{prefix}.{name}" if prefix else name for _, name, _ in own}
     if source is not None:  # a sharded tensor the file holds: only this rank's part is read
-        shares = [(kind, name, real) for kind, name, real in own if _is_share(real, key[name], kept, source)]
-        for _, name, real in shares:
+        shares = {name: real for _, name, real in own if _is_share(real, key[name], kept, source)}
+        for name, real in shares.items():
             if id(real) not in done:
                 done.add(id(real))
                 _copy_share(real, source, key[name])
-        own = [entry for entry in own if entry not in shares]
+        own = [entry for entry in own if entry[1] not in shares]
     if not own:
         return
     full = {name: _blank(t) for _, name, t in own}  # this module's tensors, in full, on the CPU
