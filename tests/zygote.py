@@ -5,15 +5,18 @@ The server is this file run as a script, one per test process, started at the fi
 ``run`` and ended with the test process (it exits once its parent is gone). Each call sends the
 command's arguments, environment and folder, and its output files' descriptors, over a Unix
 socket; the server forks, and the child becomes the launcher: its own process, with its own pid,
-whose workers are its children, started by torch's elastic agent as any launcher's are. Only the
-launcher is forked: every worker is a fresh interpreter. Tests of what a launcher's process is
-(its signals, its session, its parent) start it themselves with subprocess.
+whose workers are its children. Its workers are forked from it in turn, before it starts a
+thread (tests/zygote_workers.py), and handed to torch's elastic agent; a restart's workers are
+fresh interpreters. ``ddpkit check``'s trials are forked from the server too. Tests of what a
+launcher's process is (its signals, its session, its parent) start it themselves with
+subprocess.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -26,11 +29,18 @@ import threading
 import time
 from pathlib import Path
 
+import zygote_workers
+
 NAME = "ddpkit-test-zygote"  # in the server's command line: conftest's leftover check skips it
+ROOM = "DDPKIT_TEST_ZYGOTE_ROOM"
 
 
 def _serve(path: str) -> None:
-    import ddpkit.cli  # noqa: F401  (the imports every launch shares, done once)
+    os.environ.pop(ROOM)
+    pythonpath = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    site_path = [p for p in sys.path[1:] if os.path.abspath(p) not in pythonpath]
+    import ddpkit  # noqa: F401  (the imports every launch and its workers share, done once)
+    import ddpkit.cli  # noqa: F401
     import ddpkit.launch.elastic  # noqa: F401
     import ddpkit.train.command  # noqa: F401
 
@@ -53,11 +63,42 @@ def _serve(path: str) -> None:
         pid = os.fork()
         if pid == 0:
             server.close()
-            _become(request, fds)  # never returns
+            conn.close()
+            _become(request, fds, functools.partial(_start_workers, request["args"], site_path, path))
         for fd in fds:
             os.close(fd)
         conn.sendall(struct.pack("!i", pid))
         threading.Thread(target=_report_exit, args=(conn, pid), daemon=True).start()
+
+
+def _start_workers(args: list[str], site_path: list[str], path: str) -> None:
+    """In a forked launcher, while it is one thread: its workers-to-be (tests/zygote_workers.py);
+    in ``ddpkit check``, each trial's launcher is forked from this server too."""
+    zygote_workers.start_pool(args, site_path)
+    if args[:1] == ["check"]:
+        _route_trials(path)
+
+
+def _route_trials(path: str) -> None:
+    """``ddpkit check`` starts each trial as ``subprocess.run([python, -m, ddpkit, run, ...],
+    stdout=LOG, stderr=STDOUT, env=ENV)``; here that command is run by this server as ``run``
+    runs one (its launcher forked, its workers forked from the launcher), its output in LOG."""
+    import ddpkit.check.trials as trials
+
+    global _server
+    _server = _Attached(path)
+
+    class Subprocess:  # the module ``trials`` calls subprocess.run through
+        def __getattr__(self, name: str):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def run(command, stdout=None, stderr=None, env=None, **kwargs):
+            if command[:3] == [sys.executable, "-m", "ddpkit"] and stderr == subprocess.STDOUT and not kwargs:
+                return run(command[3:], env=env, log=Path(stdout.name))
+            return subprocess.run(command, stdout=stdout, stderr=stderr, env=env, **kwargs)
+
+    trials.subprocess = Subprocess()
 
 
 def _report_exit(conn: socket.socket, pid: int) -> None:
@@ -69,8 +110,9 @@ def _report_exit(conn: socket.socket, pid: int) -> None:
         conn.close()
 
 
-def _become(request: dict, fds: list[int]) -> None:
-    """In the forked child: the launcher the request describes, then exit with its code."""
+def _become(request: dict, fds: list[int], start_workers) -> None:
+    """In the forked child: the launcher the request describes, then exit with its code (never
+    returns). ``start_workers`` forks its workers-to-be while it is one thread."""
     code = 1
     try:
         for target, fd in enumerate(fds):
@@ -78,16 +120,19 @@ def _become(request: dict, fds: list[int]) -> None:
             os.close(fd)
         if request["session"]:
             os.setsid()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = [sys.executable, *request["args"]]
         sys.path[0] = request["cwd"]  # as `python -m` puts it first
-        import ddpkit.cli
-
         try:
+            start_workers()
+            import ddpkit.cli
+
             code = ddpkit.cli.main(request["args"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -108,12 +153,27 @@ class _Server:
 
     def __init__(self) -> None:
         self.path = tempfile.mktemp(prefix="ddpkit-zygote-", suffix=".sock", dir="/tmp")
-        command = [sys.executable, __file__, self.path, NAME]
-        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        # Room for a worker's command line and environment, written over the server's
+        # (tests/zygote_workers.py): a long last argument, a long variable the server drops.
+        command = [sys.executable, __file__, self.path, NAME, "-" * 8192]
+        env = {**os.environ, ROOM: "-" * 120_000}
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env
+        )
         assert self.proc.stdout.readline().strip() == "ready", "the test zygote did not start"
 
 
-_server: _Server | None = None
+class _Attached:
+    """The server, as seen from a process it forked."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.proc = path, self
+
+    def poll(self) -> None:
+        return None
+
+
+_server: _Server | _Attached | None = None
 
 
 def run(
