@@ -55,6 +55,8 @@ def start_pool(args: list[str], site_path: list[str]) -> None:
     _site_path[:] = site_path
     _forked_env.update(os.environ)
     launcher = os.getpid()
+    if len(os.listdir("/proc/self/task")) != 1:
+        return  # a fork beside another thread can copy a lock it holds: torch starts them afresh
     for _ in range(_workers_started(args)):
         mine, theirs = socket.socketpair()
         if os.fork() == 0:

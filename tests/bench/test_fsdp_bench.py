@@ -8,6 +8,7 @@ import pytest
 
 import ddpkit
 from ddpkit.bench.fsdp_bench import GOAL, memory_rank, table
+from ddpkit.launch.start_method import FORKSERVER
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,9 @@ def test_each_process_holds_at_most_1_1_over_n_of_the_full_copy():
     # A GPT of 2 blocks of width 64: 0.11M parameters; the most any rank holds counts.
     # The full copy: torch's DDP on one process. Then fsdp on 2 and 3.
     runs = {1: "torch", 2: "fsdp", 3: "fsdp"}
-    memory = {n: {e: ddpkit.launch(memory_rank, n, (e, 2, 64, 1))} for n, e in runs.items()}
+    memory = {
+        n: {e: ddpkit.launch(memory_rank, n, (e, 2, 64, 1), start_method=FORKSERVER)} for n, e in runs.items()
+    }
     text, fractions = table(memory)
     assert fractions["torch@1"] == pytest.approx(1.0), text
     assert fractions["fsdp@2"] <= GOAL and fractions["fsdp@3"] <= GOAL, text

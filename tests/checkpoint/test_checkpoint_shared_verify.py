@@ -13,6 +13,7 @@ import pytest
 import ddpkit
 from ddpkit.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
 from ddpkit.checkpoint.manifest import file_entry, read_manifest, share, verify_share
+from ddpkit.launch.start_method import FORKSERVER
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shared_verify_cases import hashed_resuming, hashed_training, train  # noqa: E402
@@ -70,14 +71,17 @@ def test_a_loaded_checkpoint_holds_no_mapping_of_its_file(tmp_path):
 @pytest.mark.slow
 def test_a_shard_corrupted_on_disk_sends_every_rank_back_to_the_previous_checkpoint(tmp_path):
     out = str(tmp_path / "run")
-    assert ddpkit.launch(train, 2, (out, 6)) == [1, 1]
+    assert ddpkit.launch(train, 2, (out, 6), start_method=FORKSERVER) == [1, 1]
     newest = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
     assert newest.name == "step-00000006" and verify_checkpoint(newest) == []  # the writers' hashes hold
     shard = newest / "__0_0.distcp"  # in rank 1's share of the files at resume
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one bit flipped, the size the same: only a hash sees it
     shard.write_bytes(bytes(data))
-    assert ddpkit.launch(train, 2, (out, 8)) == [5, 5]  # resumed from step 4 on both ranks
+    assert ddpkit.launch(train, 2, (out, 8), start_method=FORKSERVER) == [
+        5,
+        5,
+    ]  # resumed from step 4 on both ranks
 
 
 def _bytes(folder: Path, pattern: str) -> int:
@@ -90,14 +94,14 @@ def test_each_rank_reads_nothing_back_at_save_and_its_share_at_resume(tmp_path):
     written, and its manifest entry is right), at resume its share of the chosen checkpoint, each
     file once; choosing it reads manifests and sizes only."""
     out = str(tmp_path / "run")
-    saved = ddpkit.launch(hashed_training, 2, (out, 6))
+    saved = ddpkit.launch(hashed_training, 2, (out, 6), start_method=FORKSERVER)
     written = list_checkpoints(tmp_path / "run" / "checkpoints")
     assert [path.name for path in written] == ["step-00000002", "step-00000004", "step-00000006"]
     assert saved == [0, 0]  # nothing read back at save
     assert all(verify_checkpoint(path) == [] for path in written)  # the digests taken on the way out
     for path in written:  # every file the folder holds is in its manifest
         assert set(read_manifest(path)["files"]) == {p.name for p in path.iterdir()} - {"manifest.json"}
-    resumed = ddpkit.launch(hashed_resuming, 2, (out, 8))
+    resumed = ddpkit.launch(hashed_resuming, 2, (out, 8), start_method=FORKSERVER)
     names = sorted(read_manifest(written[-1])["files"])
     shares = [sum((written[-1] / name).stat().st_size for name in share(names, rank, 2)) for rank in (0, 1)]
     assert resumed == shares

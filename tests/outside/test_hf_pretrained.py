@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit.launch.start_method import FORKSERVER
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -26,7 +27,7 @@ def test_a_save_pretrained_folder_fine_tunes_alike_on_fsdp_and_the_torch_engine(
     pretrained.save_pretrained(tmp_path / "llama", max_shard_size="50KB")
     assert (tmp_path / "llama" / "model.safetensors.index.json").is_file()  # the sharded layout
     saved = pretrained.state_dict()
-    runs = ddpkit.launch(both_engines, 2, (str(tmp_path / "llama"),))
+    runs = ddpkit.launch(both_engines, 2, (str(tmp_path / "llama"),), start_method=FORKSERVER)
     for rank, engines in enumerate(runs):
         for engine, result in engines.items():
             assert all(torch.equal(result["first"][k], saved[k]) for k in saved), (rank, engine)

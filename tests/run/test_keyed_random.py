@@ -10,6 +10,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
+from ddpkit.launch.start_method import FORKSERVER
 from ddpkit.run.invariant import keyed
 from ddpkit.run.invariant.draws import SampleDraws
 from ddpkit.run.invariant.dropout import key_dropout
@@ -159,7 +160,7 @@ def _both() -> tuple[list[float], list[float]]:
 @pytest.mark.slow
 def test_keyed_dropout_compiled_by_inductor_gives_eager_losses():
     # In a process of its own: inductor leaves compile workers and environment variables behind.
-    eager, compiled = ddpkit.launch(_both, 1)[0]
+    eager, compiled = ddpkit.launch(_both, 1, start_method=FORKSERVER)[0]
     assert len(eager) == 6
     for a, b in zip(eager, compiled, strict=True):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (eager, compiled)

@@ -24,6 +24,7 @@ from torch.utils.data import (
 
 import ddpkit
 from ddpkit.errors import ConfigError
+from ddpkit.launch.start_method import FORKSERVER
 from ddpkit.run.data.from_dataloader import batch_size_line
 
 DATA = TensorDataset(torch.arange(50.0), torch.arange(50) % 3)  # sample i: (i, i mod 3)
@@ -244,7 +245,7 @@ def _on_each_rank() -> tuple[int, list[str], list[int]]:
 
 @pytest.mark.slow
 def test_on_two_processes_rank_0_says_the_batch_size_once_and_each_rank_takes_half():
-    (steps0, said0, seen0), (steps1, said1, seen1) = ddpkit.launch(_on_each_rank, 2)
+    (steps0, said0, seen0), (steps1, said1, seen1) = ddpkit.launch(_on_each_rank, 2, start_method=FORKSERVER)
     assert said0 == [batch_size_line(8, 2, None)] and said1 == []
     assert steps0 == steps1 == 6  # 50 samples, global batch 8, drop_last: 48 of them
     assert seen0 == [8 * step + i for step in range(6) for i in range(4)]

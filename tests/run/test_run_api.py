@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import ddpkit
 from ddpkit.data.sampler import GlobalBatchSampler
 from ddpkit.errors import ConfigError
+from ddpkit.launch.start_method import FORKSERVER
 
 
 def _data(n: int) -> TensorDataset:
@@ -95,7 +96,12 @@ def _reference(n: int, global_batch: int) -> tuple[dict, list[float], list[float
 def test_an_epoch_equals_one_process_on_each_global_batch(
     tmp_path, world, n, global_batch, micro_batch, zero_last
 ):
-    ranks = ddpkit.launch(_train, world, (str(tmp_path / "run"), n, global_batch, micro_batch, zero_last))
+    ranks = ddpkit.launch(
+        _train,
+        world,
+        (str(tmp_path / "run"), n, global_batch, micro_batch, zero_last),
+        start_method=FORKSERVER,
+    )
     expected, lrs, losses = _reference(n, global_batch)
     # The logged loss of every step is the mean over its global batch, as one process computes it.
     logged = [
@@ -126,7 +132,7 @@ def _evaluate(n: int) -> dict:
 @pytest.mark.slow
 def test_evaluate_is_exact_over_uneven_shards_and_the_same_to_the_bit_on_one_process():
     n = 10  # batches of 3, 3, 3 and 1: two on rank 0, one each on ranks 1 and 2
-    results = ddpkit.launch(_evaluate, 3, (n,))
+    results = ddpkit.launch(_evaluate, 3, (n,), start_method=FORKSERVER)
     x, y = _data(n).tensors
     alone = _evaluate(n)  # a world of one, in this process
     for result in results:
@@ -150,7 +156,7 @@ def test_a_model_that_differs_between_ranks_is_one_clear_error():
     with pytest.raises(
         ddpkit.LaunchError, match=r"replicas differ at run.setup.*ranks \[1\].*do not seed per rank"
     ):
-        ddpkit.launch(_differs_on_rank1, 2)
+        ddpkit.launch(_differs_on_rank1, 2, start_method=FORKSERVER)
 
 
 def _non_finite() -> None:
@@ -169,7 +175,7 @@ def _non_finite() -> None:
 @pytest.mark.slow
 def test_a_non_finite_gradient_stops_every_rank_naming_the_step():
     with pytest.raises(ddpkit.LaunchError, match=r"step 1: the gradient norm is (inf|nan) on every rank"):
-        ddpkit.launch(_non_finite, 2)
+        ddpkit.launch(_non_finite, 2, start_method=FORKSERVER)
 
 
 def _saved_run(out: str, with_scheduler: bool) -> None:

@@ -14,6 +14,7 @@ from helpers import ddpkit_cli, logged_losses, metric_lines, wait_unlocked
 
 import ddpkit
 from ddpkit.launch.failures import LaunchError
+from ddpkit.launch.start_method import FORKSERVER
 from ddpkit.run.invariant.bitwise import GrainSum, check_world, tree_all_reduce
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,7 +35,7 @@ def runs(tmp_path_factory) -> dict:
     found = {}
     for world in (1, 2, 4):
         out = root / f"w{world}"
-        ranks = ddpkit.launch(train, world, (str(out), STEPS))
+        ranks = ddpkit.launch(train, world, (str(out), STEPS), start_method=FORKSERVER)
         for other in ranks[1:]:
             _same_bits(other["weights"], ranks[0]["weights"])
         found[world] = {
@@ -60,8 +61,8 @@ def test_the_same_losses_and_weights_to_the_bit_on_1_2_and_4_processes(runs, wor
 def test_without_it_the_world_size_changes_the_bits(tmp_path):
     """The control: the same loop without the mode differs between 1 and 2 processes (within
     rounding), so the test above can fail."""
-    a = ddpkit.launch(_plain, 1, (str(tmp_path / "a"),))[0]
-    b = ddpkit.launch(_plain, 2, (str(tmp_path / "b"),))[0]
+    a = ddpkit.launch(_plain, 1, (str(tmp_path / "a"),), start_method=FORKSERVER)[0]
+    b = ddpkit.launch(_plain, 2, (str(tmp_path / "b"),), start_method=FORKSERVER)[0]
     assert any(not torch.equal(a[k], b[k]) for k in a)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
@@ -76,9 +77,9 @@ def _plain(out: str) -> dict:
 def test_a_kill_and_a_resume_on_another_world_size_is_bit_equal(runs, tmp_path, first, then):
     out = tmp_path / "run"
     with pytest.raises(LaunchError):  # every rank exits 17 as step 8 opens; the last checkpoint is step 6
-        ddpkit.launch(train, first, (str(out), STEPS, "torch", 8))
+        ddpkit.launch(train, first, (str(out), STEPS, "torch", 8), start_method=FORKSERVER)
     assert wait_unlocked(out)
-    resumed = ddpkit.launch(train, then, (str(out), STEPS))[0]
+    resumed = ddpkit.launch(train, then, (str(out), STEPS), start_method=FORKSERVER)[0]
     _same_bits(resumed["weights"], runs[1]["weights"])
     assert logged_losses(out)[-2:] == runs[1]["losses"][-2:]
 
@@ -86,7 +87,9 @@ def test_a_kill_and_a_resume_on_another_world_size_is_bit_equal(runs, tmp_path, 
 @pytest.mark.slow
 def test_a_summed_loss_keeps_the_bits_on_1_and_2_processes(tmp_path):
     found = [
-        ddpkit.launch(train, world, (str(tmp_path / str(world)), 6, "torch", None, True, "sum"))
+        ddpkit.launch(
+            train, world, (str(tmp_path / str(world)), 6, "torch", None, True, "sum"), start_method=FORKSERVER
+        )
         for world in (1, 2)
     ]
     _same_bits(found[1][0]["weights"], found[0][0]["weights"])
@@ -95,7 +98,7 @@ def test_a_summed_loss_keeps_the_bits_on_1_and_2_processes(tmp_path):
 
 @pytest.mark.slow
 def test_the_native_engine_keeps_the_bits(runs, tmp_path):
-    ranks = ddpkit.launch(train, 2, (str(tmp_path / "native"), STEPS, "native"))
+    ranks = ddpkit.launch(train, 2, (str(tmp_path / "native"), STEPS, "native"), start_method=FORKSERVER)
     _same_bits(ranks[0]["weights"], runs[1]["weights"])
 
 
@@ -175,7 +178,7 @@ def test_two_backwards_in_one_grain_are_one_line(tmp_path):
 
 def test_a_resume_with_other_grains_is_refused(tmp_path):
     out = str(tmp_path / "run")
-    ddpkit.launch(train, 1, (out, 3))
+    ddpkit.launch(train, 1, (out, 3), start_method=FORKSERVER)
     assert "made with grains=8 and this run has grains=16" in resumed_with(out, 16)
 
 

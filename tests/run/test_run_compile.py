@@ -12,6 +12,7 @@ import torch
 from helpers import ddpkit_run, logged_losses
 
 import ddpkit
+from ddpkit.launch.start_method import FORKSERVER
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_script import sequential_graphs, train  # noqa: E402
@@ -29,7 +30,7 @@ def _every_engine() -> dict:
 
 
 def test_inductor_gives_eager_losses_on_every_engine_before_and_after_setup():
-    runs = ddpkit.launch(_every_engine, 2)[0]
+    runs = ddpkit.launch(_every_engine, 2, start_method=FORKSERVER)[0]
     sequential = runs.pop(("native", "sequential"))
     for (engine, order), result in runs.items():
         eager = runs[engine, "eager"]["losses"]

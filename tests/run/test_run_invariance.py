@@ -12,6 +12,7 @@ import torch
 from invariance_habits import HABITS, train_all
 
 import ddpkit
+from ddpkit.launch.start_method import FORKSERVER
 
 TOL = 1e-5
 # bf16 autocast: a rank's matmuls over its share round differently from one process's over the
@@ -31,7 +32,7 @@ def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("invariance")
     found = {"1": train_all(str(root / "1"), None), "1-micro": train_all(str(root / "1-micro"), 2)}
     for name, world, micro in [("2", 2, None), ("3", 3, None), ("2-micro", 2, 2)]:
-        ranks = ddpkit.launch(train_all, world, (str(root / name), micro))
+        ranks = ddpkit.launch(train_all, world, (str(root / name), micro), start_method=FORKSERVER)
         found[name] = ranks[0]
         for other in ranks[1:]:  # every rank ends with the same weights (or the same line)
             for habit in HABITS:

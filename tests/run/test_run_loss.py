@@ -10,6 +10,7 @@ import pytest
 from helpers import logged_losses
 
 import ddpkit
+from ddpkit.launch.start_method import FORKSERVER
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loss_cases import read_losses  # noqa: E402
@@ -18,7 +19,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_run_loss_is_the_logged_global_loss_on_any_world_size(tmp_path):
-    runs = {n: ddpkit.launch(read_losses, n, (str(tmp_path / str(n)),)) for n in (1, 2, 3)}
+    runs = {
+        n: ddpkit.launch(read_losses, n, (str(tmp_path / str(n)),), start_method=FORKSERVER)
+        for n in (1, 2, 3)
+    }
     reference = runs[1][0]
     # A line is gathered without a wait, closed at the next step's start and read back at the
     # end of the one after: in the loop run.loss is the line of two steps before.

@@ -13,6 +13,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
+from ddpkit.launch.start_method import FORKSERVER
 
 sys.path.insert(0, str(Path(__file__).parent))
 from meta_cases import Net, every_case  # noqa: E402
@@ -29,7 +30,10 @@ def test_meta_models_get_the_files_weights_and_train_alike_on_1_2_and_3_processe
     torch.manual_seed(5)
     saved = {k: v.clone() for k, v in Net().state_dict().items()}
     torch.save(saved, tmp_path / "net.pt")
-    runs = {n: ddpkit.launch(every_case, n, (str(tmp_path / "net.pt"),))[0] for n in (1, 2, 3)}
+    runs = {
+        n: ddpkit.launch(every_case, n, (str(tmp_path / "net.pt"),), start_method=FORKSERVER)[0]
+        for n in (1, 2, 3)
+    }
     reference = runs[1]["torch", "eager", "file"]
     for n, cases in runs.items():
         for (engine, build, source), result in cases.items():

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.launch.start_method import FORKSERVER
 from ddpkit.run.monitor.metrics import read_metrics
 from ddpkit.run.monitor.monitor import CHECK_EVERY, CHECK_INTERVAL_S, LOG_EVERY, LOG_INTERVAL_S, paced_every
 
@@ -43,7 +44,7 @@ def _fast_loop(out: str) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_a_fast_loop_logs_less_often_and_every_rank_paces_alike(tmp_path):
-    paces = ddpkit.launch(_fast_loop, 2, (str(tmp_path),))
+    paces = ddpkit.launch(_fast_loop, 2, (str(tmp_path),), start_method=FORKSERVER)
     assert paces[0] == paces[1]  # else the ranks' gathers would not have matched
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
     steps = [r["step"] for r in records]

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.launch.start_method import FORKSERVER
 
 
 def _drift_on_rank1() -> None:
@@ -32,4 +33,4 @@ def _drift_on_rank1() -> None:
 @pytest.mark.slow
 def test_a_replica_that_drifts_stops_every_rank_at_the_next_check():
     with pytest.raises(ddpkit.LaunchError, match=r"replicas differ at step 4 \(model\): ranks \[1\].*'bias'"):
-        ddpkit.launch(_drift_on_rank1, 2)
+        ddpkit.launch(_drift_on_rank1, 2, start_method=FORKSERVER)

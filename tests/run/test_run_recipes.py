@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.launch.start_method import FORKSERVER
 
 N, GLOBAL_BATCH, CLASSES = 17, 8, 3  # steps of 8, 8 and 1 sample: rank 1 runs a stand-in in the last
 
@@ -112,7 +113,7 @@ def _world(root: str) -> dict:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("two")
-    return root, ddpkit.launch(_world, 2, (str(root),))
+    return root, ddpkit.launch(_world, 2, (str(root),), start_method=FORKSERVER)
 
 
 @pytest.mark.slow
@@ -152,7 +153,7 @@ def _main_first_on_rank_0_only(out: str) -> None:
 @pytest.mark.slow
 def test_main_first_on_one_rank_only_is_reported_with_its_line_not_left_to_hang(tmp_path):
     with pytest.raises(ddpkit.LaunchError) as caught:
-        ddpkit.launch(_main_first_on_rank_0_only, 2, (str(tmp_path / "out"),))
+        ddpkit.launch(_main_first_on_rank_0_only, 2, (str(tmp_path / "out"),), start_method=FORKSERVER)
     assert "desync" in str(caught.value) and "(with run.main_first():)" in str(caught.value)
     report = (tmp_path / "out" / "hang-report.txt").read_text()
     assert "phase 'main_first: letting the other ranks into the block (barrier)'" in report

@@ -12,6 +12,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
+from ddpkit.launch.start_method import FORKSERVER
 
 sys.path.insert(0, str(Path(__file__).parent))
 from recompute_cases import every_case  # noqa: E402
@@ -19,7 +20,7 @@ from recompute_cases import every_case  # noqa: E402
 
 @pytest.mark.slow
 def test_checkpointed_blocks_give_the_same_losses_to_the_bit():
-    runs = ddpkit.launch(every_case, 2)
+    runs = ddpkit.launch(every_case, 2, start_method=FORKSERVER)
     for rank, cases in enumerate(runs):
         for engine in ("torch", "fsdp"):
             for keyed in (False, True):
