@@ -107,6 +107,15 @@ def ddpkit_cli(
     return zygote.run([str(a) for a in cmd[3:]], env=env, cwd=cwd, timeout=timeout)
 
 
+def ddpkit_popen(cmd: list, **kwargs: Any) -> zygote.Popen:
+    """``subprocess.Popen(cmd, **kwargs)`` for a ``[sys.executable, "-m", "ddpkit", ...]`` command
+    (stdout and stderr: None, DEVNULL, PIPE, a file, or stderr=STDOUT; text, env, cwd,
+    start_new_session), its launcher forked from the test zygote: a process of its own whose
+    parent is the zygote, with its workers forked from it."""
+    assert list(map(str, cmd[:3])) == [sys.executable, "-m", "ddpkit"], cmd[:3]
+    return zygote.Popen([str(a) for a in cmd[3:]], **kwargs)
+
+
 def ddpkit_runs_at_once(
     root: Path, runs: dict[str, list[str]], env: dict | None = None, timeout: float = 240
 ) -> dict[str, int]:

@@ -1,22 +1,19 @@
 """`python -m ddpkit ARGS` for the tests, started in milliseconds: forked from a server that has
 torch and ddpkit's launcher imported once (about 1.7 CPU-seconds of imports a launch otherwise).
 
-The server is this file run as a script, one per test process, started at the first call of
-``run`` and ended with the test process (it exits once its parent is gone). Each call sends the
-command's arguments, environment and folder, and its output files' descriptors, over a Unix
-socket; the server forks, and the child becomes the launcher: its own process, with its own pid,
-whose workers are its children. Its workers are forked from it in turn, before it starts a
-thread (tests/zygote_workers.py), and handed to torch's elastic agent; a restart's workers are
-fresh interpreters. ``ddpkit check``'s trials are forked from the server too. Tests of what a
-launcher's process is (its signals, its session, its parent) start it themselves with
-subprocess.
+The server (tests/zygote_server.py) runs one per test process, started at the first launch and
+ended with the test process. Each launch (``run`` to its end, or ``Popen``) sends the command's
+arguments, environment and folder, and its output files' descriptors, over a Unix socket; the
+server forks, and the child becomes the launcher: its own process, with its own pid, whose
+workers are its children. Its workers are forked from it in turn, before it starts a thread
+(tests/zygote_workers.py), and handed to torch's elastic agent; a restart's workers are fresh
+interpreters. Tests of what a launcher's process is (its parent, how it starts) start it
+themselves with subprocess.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -25,127 +22,14 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-
-import zygote_workers
 
 NAME = "ddpkit-test-zygote"  # in the server's command line: conftest's leftover check skips it
 ROOM = "DDPKIT_TEST_ZYGOTE_ROOM"
-
-
-def _serve(path: str) -> None:
-    os.environ.pop(ROOM)
-    pythonpath = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    site_path = [p for p in sys.path[1:] if os.path.abspath(p) not in pythonpath]
-    import ddpkit  # noqa: F401  (the imports every launch and its workers share, done once)
-    import ddpkit.cli  # noqa: F401
-    import ddpkit.launch.elastic  # noqa: F401
-    import ddpkit.train.command  # noqa: F401
-
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(16)
-    server.settimeout(1.0)
-    parent = os.getppid()
-    print("ready", flush=True)
-    while True:
-        try:
-            conn, _ = server.accept()
-        except TimeoutError:
-            if os.getppid() != parent:  # the test process is gone
-                os._exit(0)
-            continue
-        conn.settimeout(None)
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        request = json.loads(message)
-        pid = os.fork()
-        if pid == 0:
-            server.close()
-            conn.close()
-            _become(request, fds, functools.partial(_start_workers, request["args"], site_path, path))
-        for fd in fds:
-            os.close(fd)
-        conn.sendall(struct.pack("!i", pid))
-        threading.Thread(target=_report_exit, args=(conn, pid), daemon=True).start()
-
-
-def _start_workers(args: list[str], site_path: list[str], path: str) -> None:
-    """In a forked launcher, while it is one thread: its workers-to-be (tests/zygote_workers.py);
-    in ``ddpkit check``, each trial's launcher is forked from this server too."""
-    zygote_workers.start_pool(args, site_path)
-    if args[:1] == ["check"]:
-        _route_trials(path)
-
-
-def _route_trials(path: str) -> None:
-    """``ddpkit check`` starts each trial as ``subprocess.run([python, -m, ddpkit, run, ...],
-    stdout=LOG, stderr=STDOUT, env=ENV)``; here that command is run by this server as ``run``
-    runs one (its launcher forked, its workers forked from the launcher), its output in LOG."""
-    import ddpkit.check.trials as trials
-
-    global _server
-    _server = _Attached(path)
-
-    class Subprocess:  # the module ``trials`` calls subprocess.run through
-        def __getattr__(self, name: str):
-            return getattr(subprocess, name)
-
-        @staticmethod
-        def run(command, stdout=None, stderr=None, env=None, **kwargs):
-            if command[:3] == [sys.executable, "-m", "ddpkit"] and stderr == subprocess.STDOUT and not kwargs:
-                return run(command[3:], env=env, log=Path(stdout.name))
-            return subprocess.run(command, stdout=stdout, stderr=stderr, env=env, **kwargs)
-
-    trials.subprocess = Subprocess()
-
-
-def _report_exit(conn: socket.socket, pid: int) -> None:
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)  # -N for a signal, as subprocess says
-    try:
-        conn.sendall(struct.pack("!i", code))
-    finally:
-        conn.close()
-
-
-def _become(request: dict, fds: list[int], start_workers) -> None:
-    """In the forked child: the launcher the request describes, then exit with its code (never
-    returns). ``start_workers`` forks its workers-to-be while it is one thread."""
-    code = 1
-    try:
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        if request["session"]:
-            os.setsid()
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        for sig in (signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        sys.argv = [sys.executable, *request["args"]]
-        sys.path[0] = request["cwd"]  # as `python -m` puts it first
-        try:
-            start_workers()
-            import ddpkit.cli
-
-            code = ddpkit.cli.main(request["args"])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:  # noqa: BLE001 (as the interpreter would: the hook, then exit 1)
-            sys.excepthook(*sys.exc_info())
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code if isinstance(code, int) else 1)
+SERVER = Path(__file__).with_name("zygote_server.py")
 
 
 class _Server:
@@ -155,7 +39,7 @@ class _Server:
         self.path = tempfile.mktemp(prefix="ddpkit-zygote-", suffix=".sock", dir="/tmp")
         # Room for a worker's command line and environment, written over the server's
         # (tests/zygote_workers.py): a long last argument, a long variable the server drops.
-        command = [sys.executable, __file__, self.path, NAME, "-" * 8192]
+        command = [sys.executable, str(SERVER), self.path, NAME, "-" * 8192]
         env = {**os.environ, ROOM: "-" * 120_000}
         self.proc = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env
@@ -176,6 +60,112 @@ class _Attached:
 _server: _Server | _Attached | None = None
 
 
+def attach(path: str) -> None:
+    """In a process the server forked: send this process's launches to that server."""
+    global _server
+    _server = _Attached(path)
+
+
+class Popen:
+    """``subprocess.Popen([python, -m, ddpkit, *args], ...)``, its launcher forked from the
+    server: ``pid``, ``poll``, ``wait``, ``communicate``, ``send_signal``/``terminate``/``kill``,
+    ``returncode``, and ``stdout``/``stderr`` pipes with ``subprocess.PIPE`` (``stderr=STDOUT``
+    too). Its parent is the server, so its exit code comes over the server's connection."""
+
+    def __init__(
+        self, args, stdout=None, stderr=None, text=False, env=None, cwd=None, start_new_session=False
+    ) -> None:
+        global _server
+        if _server is None or _server.proc.poll() is not None:
+            _server = _Server()
+        self.args = [sys.executable, "-m", "ddpkit", *map(str, args)]
+        self.returncode, self.stdin, self._reads = None, None, None
+        request = {
+            "args": self.args[3:],
+            "env": dict(os.environ if env is None else env),
+            "cwd": str(cwd or os.getcwd()),
+            "session": start_new_session,
+        }
+        with contextlib.ExitStack() as sent:  # our copies of the descriptors the launcher gets
+            devnull = sent.enter_context(open(os.devnull))
+            out, self.stdout = self._target(stdout, 1, text, sent)
+            if stderr == subprocess.STDOUT:
+                err, self.stderr = out, None
+            else:
+                err, self.stderr = self._target(stderr, 2, text, sent)
+            self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._conn.connect(_server.path)
+            socket.send_fds(self._conn, [json.dumps(request).encode()], [devnull.fileno(), out, err])
+            (self.pid,) = struct.unpack("!i", _read(self._conn, 4))
+
+    @staticmethod
+    def _target(where, default: int, text: bool, sent: contextlib.ExitStack):
+        """(the descriptor the launcher writes to, our end of a pipe or None)."""
+        if where is None:
+            return default, None
+        if where == subprocess.DEVNULL:
+            return sent.enter_context(open(os.devnull, "w")).fileno(), None
+        if where != subprocess.PIPE:
+            return where if isinstance(where, int) else where.fileno(), None
+        read, write = os.pipe()
+        sent.callback(os.close, write)
+        return write, open(read, "r" if text else "rb")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._await(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._await(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def _await(self, timeout: float | None) -> bool:
+        """The exit code, once the server sends it within ``timeout`` seconds; False before."""
+        self._conn.settimeout(timeout)
+        try:
+            data = _read(self._conn, 4)
+        except (TimeoutError, BlockingIOError):
+            self._conn.settimeout(None)
+            return False
+        (self.returncode,) = struct.unpack("!i", data)
+        self._conn.close()
+        return True
+
+    def communicate(self, timeout: float | None = None) -> tuple:
+        """Both pipes read to their end, then the exit: (stdout, stderr), None for one not piped
+        (or read by an earlier call). Past ``timeout``: TimeoutExpired, and a later call goes on."""
+        if self._reads is None:
+            pool = ThreadPoolExecutor(2)
+            pipes = [f if f is not None and not f.closed else None for f in (self.stdout, self.stderr)]
+            self._reads = [None if f is None else pool.submit(f.read) for f in pipes]
+            pool.shutdown(wait=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if deadline is None else max(deadline - time.monotonic(), 0.01)  # noqa: E731
+        try:
+            found = tuple(None if read is None else read.result(left()) for read in self._reads)
+        except FuturesTimeout:
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
+        self.wait(left())
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self._reads = [None, None]
+        return found
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def run(
     args: list[str],
     env: dict | None = None,
@@ -188,40 +178,23 @@ def run(
     ``subprocess.run(..., capture_output=True, text=True)`` gives them (with ``log``: both
     streams into that file, as ``stderr=STDOUT``, and none returned). Past ``timeout`` it is
     killed (with its session, if it has one) and ``subprocess.TimeoutExpired`` raised."""
-    global _server
-    if _server is None or _server.proc.poll() is not None:
-        _server = _Server()
-    request = {
-        "args": list(map(str, args)),
-        "env": dict(os.environ if env is None else env),
-        "cwd": str(cwd or os.getcwd()),
-        "session": new_session,
-    }
-    command = ["python", "-m", "ddpkit", *request["args"]]
     with contextlib.ExitStack() as files:
         if log is None:
             out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
         else:
             out = err = files.enter_context(open(log, "w+"))  # both streams, as stderr=STDOUT
-        devnull = files.enter_context(open(os.devnull))
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(_server.path)
-            fds = [devnull.fileno(), out.fileno(), err.fileno()]
-            socket.send_fds(conn, [json.dumps(request).encode()], fds)
-            (pid,) = struct.unpack("!i", _read(conn, 4))
-            conn.settimeout(timeout)
-            try:
-                (code,) = struct.unpack("!i", _read(conn, 4))
-            except TimeoutError:
-                _kill(pid, new_session)
-                conn.settimeout(30)
-                _read(conn, 4)
-                raise subprocess.TimeoutExpired(command, timeout) from None
+        proc = Popen(args, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=new_session)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill(proc.pid, new_session)
+            proc.wait(30)
+            raise
         if log is not None:
-            return subprocess.CompletedProcess(command, code, "", "")
+            return subprocess.CompletedProcess(proc.args, code, "", "")
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(command, code, out.read(), err.read())
+        return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
 
 
 def _read(conn: socket.socket, n: int) -> bytes:
@@ -240,7 +213,3 @@ def _kill(pid: int, session: bool) -> None:
     except ProcessLookupError:
         pass
     time.sleep(0.1)
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1])

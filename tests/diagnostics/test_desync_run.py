@@ -14,6 +14,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import ddpkit_popen
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +74,7 @@ def _ddpkit_run(tmp_path, script_text: str, limit: float = 150) -> tuple[int, st
     script = tmp_path / "script.py"
     script.write_text(script_text)
     cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), str(tmp_path / "out")]
-    proc = subprocess.Popen(
+    proc = ddpkit_popen(
         [*cmd, str(tmp_path / "parted")], stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from helpers import descendants
+from helpers import ddpkit_popen, descendants
 
 # The seeds' fault-tolerance tutorial (pytorch/examples ddp-tutorial-series, multigpu_torchrun.py)
 # on CPU: a plain DDP script that saves a snapshot every epoch and loads it when it starts. Its
@@ -100,8 +100,9 @@ SLEEP_SCRIPT = textwrap.dedent(
 
 
 def ddpkit_run(*args: str) -> subprocess.Popen:
-    """`python -m ddpkit run ARGS` in its own session, with its output captured."""
-    return subprocess.Popen(
+    """`python -m ddpkit run ARGS` in its own session, with its output captured (its launcher
+    forked from the test zygote)."""
+    return ddpkit_popen(
         [sys.executable, "-m", "ddpkit", "run", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from helpers import ddpkit_cli, last_step
+from helpers import ddpkit_cli, ddpkit_popen, last_step
 
 from ddpkit.launch.ports import free_port
 
@@ -38,7 +38,7 @@ def _node(out, port: int, conf: str, *extra: str) -> subprocess.Popen:
     launch = f"--nnodes 1:2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id elastic"
     cmd = [*DDPKIT, *RUN.split(), "--out", str(out), *launch.split(), "--max-restarts", "3"]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
-    return subprocess.Popen([*cmd, "--rdzv-conf", conf, *extra], **pipes)
+    return ddpkit_popen([*cmd, "--rdzv-conf", conf, *extra], **pipes)
 
 
 def _wait(condition, proc: subprocess.Popen, what: str, limit: float = 60) -> None:

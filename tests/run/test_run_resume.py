@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ddpkit_cli, descendants, last_step, logged_losses, saved_weights, wait_unlocked
+from helpers import (
+    ddpkit_cli,
+    ddpkit_popen,
+    descendants,
+    last_step,
+    logged_losses,
+    saved_weights,
+    wait_unlocked,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +56,7 @@ def _wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> int:
 
 def kill_job_at(cmd: list[str], out: Path, step: int) -> int:
     """Start ``cmd``, SIGKILL its launcher and every worker once ``step`` is logged; the last step logged."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = ddpkit_popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     killed_at = _wait_for_step(proc, out, step)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -115,7 +123,7 @@ def test_sigterm_checkpoints_the_agreed_step_and_the_resumed_run_is_bit_identica
     run = ["--micro-batch", "2", "--size", "1280"]  # 120 steps; no --save-every: the signal saves
     _run(tmp_path / "whole", 2, *run)
     out = tmp_path / "cut"
-    proc = subprocess.Popen(_cmd(out, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = ddpkit_popen(_cmd(out, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     signalled_at = _wait_for_step(proc, out, 20)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ddpkit_cli, last_step, logged_losses, saved_weights, wait_unlocked
+from helpers import ddpkit_cli, ddpkit_popen, last_step, logged_losses, saved_weights, wait_unlocked
 
 TOY = ["toy", "--global-batch", "12", "--log-every", "1", "--seed", "3"]
 
@@ -32,7 +32,7 @@ def _run(out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
 
 def _run_and_kill(out, nproc: int, after_step: int, *extra: str) -> int:
     """Start a run, SIGKILL the launcher and every worker once a step past ``after_step`` is logged."""
-    proc = subprocess.Popen(
+    proc = ddpkit_popen(
         _cmd(out, nproc, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.monotonic() + 120
@@ -162,7 +162,7 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_bit_identical(tmp_p
     # and could reach step 40 before agreeing (it failed 1 CI run in 3 that way).
     run = ["--micro-batch", "1", "--steps", "40", "--save-every", "1000", "--log-every", "1"]
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(_cmd(cut, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = ddpkit_popen(_cmd(cut, 2, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while last_step(cut) < 10 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)

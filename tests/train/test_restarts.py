@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ddpkit_cli, descendants, last_step
+from helpers import ddpkit_cli, ddpkit_popen, descendants, last_step
 
 from ddpkit.launch.restarts import EVENTS
 from ddpkit.run.monitor.metrics import read_metrics
@@ -41,7 +41,7 @@ RUN = [
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ddpkit", "train", *RUN, "--out", str(out), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return ddpkit_popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _workers(launcher: int) -> list[int]:

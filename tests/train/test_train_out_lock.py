@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from helpers import ddpkit_cli, ddpkit_popen
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +32,14 @@ def _train(out, *extra: str) -> list[str]:
 
 def test_a_running_folder_cannot_be_trained_into_resumed_or_overwritten(tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(_train(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = ddpkit_popen(_train(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert first.poll() is None, "the first run ended before the test could race it"
         for extra in (["--resume", "auto"], ["--overwrite"]):
-            second = subprocess.run(_train(out, *extra), capture_output=True, text=True, timeout=120)
+            second = ddpkit_cli(_train(out, *extra), capture_output=True, text=True, timeout=120)
             lines = second.stderr.strip().splitlines()
             assert second.returncode == 2, second.stderr[-2000:]
             assert len(lines) == 1 and "is in use by a running ddpkit run (pid" in lines[0], lines
@@ -47,7 +48,5 @@ def test_a_running_folder_cannot_be_trained_into_resumed_or_overwritten(tmp_path
         first.kill()
         first.wait()
     # The killed run's lock went with it: the folder can be taken over.
-    done = subprocess.run(
-        _train(out, "--overwrite", "--steps", "3"), capture_output=True, text=True, timeout=240
-    )
+    done = ddpkit_cli(_train(out, "--overwrite", "--steps", "3"), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
