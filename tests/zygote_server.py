@@ -26,7 +26,11 @@ def _serve(path: str) -> None:
     os.environ.pop(zygote.ROOM)
     pythonpath = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     site_path = [p for p in sys.path[1:] if os.path.abspath(p) not in pythonpath]
-    import ddpkit  # noqa: F401  (the imports every launch and its workers share, done once)
+    # The imports every launch and its workers share, done once (torch._dynamo: the first
+    # optimizer a worker builds imports it).
+    import torch._dynamo  # noqa: F401
+
+    import ddpkit  # noqa: F401
     import ddpkit.cli  # noqa: F401
     import ddpkit.launch.elastic  # noqa: F401
     import ddpkit.train.command  # noqa: F401

@@ -32,7 +32,9 @@ import torch.multiprocessing as mp
 from ddpkit.errors import ConfigError
 
 SPAWN, FORK, FORKSERVER = "spawn", "fork", "forkserver"
-PRELOAD = ["torch", "ddpkit"]  # what the forkserver imports once, for every process it forks
+# What the forkserver imports once, for every process it forks: torch._dynamo too, which torch
+# imports at the first optimizer a process builds (a second of CPU each).
+PRELOAD = ["torch", "torch._dynamo", "ddpkit"]
 
 
 def start_method(fn: Callable[..., Any], args: Sequence[Any] = (), asked: str | None = None) -> str:
