@@ -50,15 +50,15 @@ def pytest_collection_modifyitems(config, items):
 # The longest files, longest first (minutes each on 2 busy cores). The order only sets how soon a
 # file starts; a file missing here still runs, after these.
 LONGEST = [
-    "tests/run/test_run_stream.py",
-    "tests/launch/test_multinode_netns.py",
-    "tests/run/test_trackers.py",
-    "tests/run/test_run_resume.py",
-    "tests/run/test_run_examples_resume.py",
-    "tests/train/test_exact_resume.py",
-    "tests/run/test_run_resume_workers.py",
-    "tests/train/test_task_files.py",
     "tests/run/test_run_habits.py",
+    "tests/check/test_check_command.py",
+    "tests/launch/test_multinode_netns.py",
+    "tests/run/test_run_stream.py",
+    "tests/train/test_exact_resume.py",
+    "tests/outside/test_ray_train.py",
+    "tests/run/test_run_compile.py",
+    "tests/run/test_run_examples_resume.py",
+    "tests/outside/test_diffusers_ddpm.py",
     "tests/dist/test_launcher_envs.py",
 ]
 
