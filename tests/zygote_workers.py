@@ -1,22 +1,15 @@
-"""The workers of a launcher forked from the test zygote, started in milliseconds: forked from the
-launcher itself while it is still one thread, with torch and ddpkit imported, instead of a fresh
-``python -u SCRIPT`` importing them again (seconds of CPU a worker on 2 cores).
+"""The workers of a launcher forked from the test zygote, forked in turn from that launcher while
+it is one thread, with torch and ddpkit imported (a fresh ``python -u SCRIPT`` spends seconds of
+CPU importing them again).
 
-``ddpkit run`` starts its workers through torch's elastic agent, which starts each one with
-``subprocess.Popen([python, -u, SCRIPT, ARGS...], start_new_session=True)`` after the rendezvous,
-when the launcher already runs threads (the agent's, the store's) that make a fork unsafe. So
-``start_pool`` forks, before ``ddpkit.cli.main`` runs, one dormant process for each worker the
-launch will start; each is the launcher's child and waits on a socket. The agent's ``Popen`` is
-replaced in this launcher by ``_popen``: it hands a dormant process the worker's command line,
-environment, folder and output files, and that process becomes the worker, as a fresh
-interpreter would (a session of its own, ``sys.argv``, ``sys.path`` from the script's folder and
-PYTHONPATH, the launcher's sitecustomize, ``__main__``, ``-u`` streams, the exit code and the
-uncaught-exception hook, fresh numpy and torch generators, the intra-op thread count).
-
-Where a fork cannot be what a fresh interpreter is, the worker is started as torch starts it:
-another command (``-m``, ``--no-python``, numactl), an environment that differs from the
-launcher's in a variable read when torch or Python start (``_READ_AT_START``), and every worker
-after the pool is used up (a restart's).
+torch's elastic agent starts each worker with ``Popen([python, -u, SCRIPT, ...],
+start_new_session=True)`` after the rendezvous, when the launcher runs threads that make a fork
+unsafe. So ``start_pool`` forks, before ``ddpkit.cli.main`` runs, one dormant child for each
+worker the launch starts, and the agent's ``Popen`` hands one the worker's command line,
+environment, folder and output files: it becomes the worker as a fresh interpreter would be
+(``_become_worker``). Another command (``--no-python``, numactl), an environment that changes a
+variable read while Python or torch start (``_READ_AT_START``), and a worker after the pool is
+used up (a restart's) are started as torch starts them.
 """
 
 from __future__ import annotations
