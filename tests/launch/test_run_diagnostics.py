@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -63,13 +64,25 @@ def test_a_rank_that_never_reaches_the_collective_is_named_with_every_stack(tmp_
     assert "_watch_progress" not in text  # ddpkit's own thread is left out
 
 
+def _counted(launcher: int, rank: int) -> bool:
+    """True once RANK's progress record in its launcher's run folder holds a collective count."""
+    tmp = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())  # the launcher's (this file sets it)
+    for path in tmp.glob(f"ddpkit-run-{launcher}-*/progress-{rank}"):
+        fields = path.read_text().split()  # PID SEQ WALL LEFT WORLD TIMEOUT (boot_progress.py)
+        if len(fields) == 6 and int(fields[1]) >= 0:
+            return True
+    return False
+
+
 def test_a_frozen_rank_is_named_as_stopped(tmp_path, monkeypatch):
     script, ready = tmp_path / "hang.py", tmp_path / "ready"
     script.write_text(HANG_SCRIPT)
     monkeypatch.setenv("HANG_RANK", "-1")  # nobody hangs by itself: the test freezes rank 0
     proc = ddpkit_run("--nproc", "2", "--collective-timeout", "3", str(script), str(ready))
     deadline = time.monotonic() + 90
-    while not ready.exists():
+    # Frozen once its progress thread has noted a collective: a worker started in milliseconds
+    # reaches step 5 before the thread's first look, and is then reported with no count.
+    while not (ready.exists() and _counted(proc.pid, rank=0)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     os.kill(workers(proc.pid, str(script))[(0, 0)], signal.SIGSTOP)
