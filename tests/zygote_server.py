@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def _become(request: dict, fds: list[int], start_workers) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # read TMPDIR afresh: an import in the server cached its own
         sys.argv = [sys.executable, *request["args"]]
         sys.path[0] = request["cwd"]  # as `python -m` puts it first
         try:

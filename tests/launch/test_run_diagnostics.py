@@ -83,7 +83,9 @@ def test_a_frozen_rank_is_named_as_stopped(tmp_path, monkeypatch):
     # Frozen once its progress thread has noted a collective: a worker started in milliseconds
     # reaches step 5 before the thread's first look, and is then reported with no count.
     while not (ready.exists() and _counted(proc.pid, rank=0)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _finish(proc, limit=0.1)  # kills it, with its output in the message, if it still runs
+            raise AssertionError(f"no count from rank 0 before the launcher exited ({proc.returncode})")
         time.sleep(0.05)
     os.kill(workers(proc.pid, str(script))[(0, 0)], signal.SIGSTOP)
     frozen_at = time.monotonic()
