@@ -51,3 +51,36 @@ def hashed_resuming(out: str, steps: int) -> int:
     hashed = hashed_bytes() - before
     run.close()
     return hashed
+
+
+def rchar() -> int:
+    """Bytes this process has read through read calls (Linux ``/proc/self/io``)."""
+    with open("/proc/self/io", encoding="ascii") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def read_resuming(out: str, steps: int, wide: int) -> tuple[int, int]:
+    """Train a model ``wide`` units wide with AdamW to ``steps`` through DCP (fsdp); rerun, the
+    bytes this rank read from ``Run()`` to the end of the loop's first batch (checkpoint chosen,
+    verified, the model loaded at setup, the optimizer at the first batch), and the optimizer
+    steps taken other than the loop's own."""
+    import torch.distributed.checkpoint  # noqa: F401  its modules' files are not the checkpoint's
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    before, read = rchar(), None
+    run = ddpkit.Run(out=out, global_batch=8, engine="fsdp", save_every=2, steps=steps, progress=False)
+    torch.manual_seed(0)
+    model = run.setup(nn.Sequential(nn.Linear(wide, 4 * wide), nn.Tanh(), nn.Linear(4 * wide, 1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    taken = [0]
+    optimizer.register_step_pre_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
+    run.track(optimizer)
+    data = TensorDataset(torch.randn(32, wide), torch.randn(32, 1))
+    for x, y in run.loader(data):
+        optimizer.zero_grad()
+        run.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        taken[0] -= 1
+        read = rchar() - before if read is None else read
+    run.finish()
+    return read, taken[0]

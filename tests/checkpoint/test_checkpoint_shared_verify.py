@@ -16,7 +16,7 @@ from ddpkit.checkpoint.manifest import file_entry, read_manifest, share, verify_
 from ddpkit.launch.start_method import FORKSERVER
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shared_verify_cases import hashed_resuming, hashed_training, train  # noqa: E402
+from shared_verify_cases import hashed_resuming, hashed_training, read_resuming, train  # noqa: E402
 
 
 def test_the_ranks_shares_cover_every_file_once(tmp_path):
@@ -109,3 +109,23 @@ def test_each_rank_reads_nothing_back_at_save_and_its_share_at_resume(tmp_path):
     assert sum(shares) - state == _bytes(written[-1], "*") - (written[-1] / "manifest.json").stat().st_size
     for rank in (0, 1):  # on the world size that wrote it, each rank hashes the shards it loads back
         assert f"__{rank}_0.distcp" in share(names, rank, 2)
+
+
+@pytest.mark.slow
+def test_each_rank_reads_its_share_once_at_resume(tmp_path):
+    """Counted from Run() to the end of the first batch (/proc/self/io's rchar): the DCP files a
+    rank hashes are the ones it loads, kept from the hash for the loads, so it reads its share once
+    (within 10%, plus the manifest and DCP's .metadata), not once to hash and again to load. The
+    optimizer's state is made from the checkpoint's metadata: no optimizer step at lr 0."""
+    out = str(tmp_path / "run")
+    fresh = ddpkit.launch(read_resuming, 2, (out, 2, 512), start_method=FORKSERVER)  # what a run reads anyway
+    path = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    read = ddpkit.launch(read_resuming, 2, (out, 4, 512), start_method=FORKSERVER)
+    names = sorted(read_manifest(path)["files"])
+    extra = _bytes(path, "manifest.json") + _bytes(path, ".metadata")
+    for rank in (0, 1):
+        mine = sum((path / name).stat().st_size for name in share(names, rank, 2))
+        assert mine > 4 * 2**20 and f"__{rank}_0.distcp" in share(names, rank, 2)  # the shards dominate
+        more = read[rank][0] - fresh[rank][0]
+        assert more <= 1.1 * mine + extra, (rank, read[rank], fresh[rank], mine, extra)
+    assert [steps for _, steps in read] == [0, 0]  # only the loop's own

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Dataset, TensorDataset
 from tqdm import tqdm
 
@@ -224,3 +226,33 @@ def test_the_users_own_bar_turns_ddpkits_off(tmp_path):
             own.update(1)
         assert run._monitor.bar.disable
     run.finish()
+
+
+def test_optimizer_step_hooks_run_once_a_step_after_the_real_step(tmp_path):
+    """A loop's step hooks (an EMA in a post hook, a counter in a pre hook, torch's global ones)
+    run once per optimizer step, as on one device: not at the micro-batches the run accumulates,
+    and not twice at the step's last (once for the run's gate, once for the optimizer's own),
+    also once a resume has loaded the optimizer's state (load_state_dict hooks its class again)."""
+    assert _hooks_seen(tmp_path, steps=3) == ["pre", "post True", "global"] * 3  # 3 steps of 4 micro-batches
+    assert _hooks_seen(tmp_path, steps=5) == ["pre", "post True", "global"] * 2  # resumed at step 3
+
+
+def _hooks_seen(out: Path, steps: int) -> list[str]:
+    run = ddpkit.Run(out=out, global_batch=8, micro_batch=2, progress=False, steps=steps, save_every=1)
+    model = run.setup(nn.Linear(3, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    seen: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, *_: seen.append(f"post {bool(opt.state)}"))
+    handle = register_optimizer_step_post_hook(lambda *_: seen.append("global"))
+    run.track(optimizer)
+    data = TensorDataset(torch.randn(48, 3, generator=torch.Generator().manual_seed(0)), torch.randn(48, 1))
+    try:
+        for x, y in run.loader(data):
+            optimizer.zero_grad()
+            run.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+    finally:
+        handle.remove()
+    run.finish()
+    return seen

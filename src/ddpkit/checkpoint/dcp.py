@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.checkpoint.files import HashedWrite
+from ddpkit.checkpoint.kept import KeptFiles
 from ddpkit.checkpoint.manifest import STATE
 from ddpkit.checkpoint.store import CheckpointError, begin_save, commit_save
 
@@ -173,9 +174,10 @@ def _commit(
     return commit_save(final, tmp, step, state, keep_last, files, known)
 
 
-def load_sharded(path: str | Path, shards: dict[str, Any]) -> None:
+def load_sharded(path: str | Path, shards: dict[str, Any], kept: KeptFiles | None = None) -> None:
     """Load the DCP part of the checkpoint at ``path`` into ``shards`` (name -> Stateful), resharded
-    to this run's ranks. The folder was verified against its manifest when it was chosen.
+    to this run's ranks. The folder was verified against its manifest when it was chosen; the
+    files this rank hashed then are read from ``kept`` (each byte from storage once).
 
     Each rank plans its reads alone (``no_dist``): a load's plan needs nothing from the other ranks
     (each DTensor knows its own shard), and DCP's gather and scatter of every rank's plan cost
@@ -185,11 +187,24 @@ def load_sharded(path: str | Path, shards: dict[str, Any]) -> None:
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is not
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(shards, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        dcp.load(shards, storage_reader=_reader(path, kept), no_dist=True)
 
 
-def saved_keys(path: str | Path) -> set[str]:
+def saved_keys(path: str | Path, kept: KeptFiles | None = None) -> set[str]:
     """The flattened keys (``model.h.0.attn.c_attn.weight``) the DCP part at ``path`` holds."""
+    return set(saved_layout(path, kept))
+
+
+def saved_layout(path: str | Path, kept: KeptFiles | None = None) -> dict[str, Any]:
+    """Each flattened key of the DCP part at ``path`` with what is saved there (a tensor's
+    ``size`` and ``properties.dtype``, or bytes), from its ``.metadata``."""
+    return dict(_reader(path, kept).read_metadata().state_dict_metadata)
+
+
+def _reader(path: str | Path, kept: KeptFiles | None) -> Any:
     import torch.distributed.checkpoint as dcp
 
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    if kept is None:
+        return dcp.FileSystemReader(str(path))
+    assert kept.folder == Path(path), f"files kept from {kept.folder}, loading {path}"
+    return kept.reader()

@@ -91,6 +91,11 @@ class HashedWrite:
         self.close()
 
 
+def count_hashed(size: int) -> None:
+    """Count ``size`` bytes hashed outside ``digest_file`` (a file read whole: checkpoint/kept.py)."""
+    _hashed[0] += size
+
+
 def hashed_bytes() -> int:
     """The bytes this process has hashed so far (every checkpoint digest is taken by ``digest_file``):
     what a rank pays for verification at save and at resume, counted."""

@@ -12,15 +12,20 @@ import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddpkit.checkpoint.files import DIGEST, DIGESTS, digest_file
 from ddpkit.version import __version__
+
+if TYPE_CHECKING:
+    from ddpkit.checkpoint.kept import KeptFiles
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 STEP_DIR = re.compile(r"step-(\d{8,})")
 DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # the file of DCP's rank r: __r_0.distcp
+DCP_METADATA = ".metadata"  # DCP's plan of every file: what each key is and where its bytes are
 
 
 def checkpoint_name(step: int) -> str:
@@ -126,14 +131,21 @@ def _problems(path: Path, check) -> list[str]:
     return [p for p in found if p] + manifest_problems(path, manifest)
 
 
-def verify_share(path: Path, rank: int, world_size: int) -> list[str]:
-    """The problems of this rank's share of a checkpoint's files (``share``), each hashed here."""
+def verify_share(path: Path, rank: int, world_size: int, kept: KeptFiles | None = None) -> list[str]:
+    """The problems of this rank's share of a checkpoint's files (``share``), each hashed here;
+    ``kept`` keeps the bytes of the DCP files among them, read once, for the loads to come."""
     try:
         manifest = read_manifest(path)
     except (FileNotFoundError, ValueError) as exc:
         return [f"unreadable {MANIFEST} ({exc})"]
     names = share(sorted(manifest["files"]), rank, world_size)
-    found = (_check_file(path / name, manifest["files"][name]) for name in names)
+    keep = set(kept.plan(names, manifest)) if kept is not None else set()
+    found = (
+        kept.check(name, manifest["files"][name])
+        if name in keep
+        else _check_file(path / name, manifest["files"][name])
+        for name in names
+    )
     return [p for p in found if p]
 
 

@@ -54,5 +54,5 @@ def place_model(
         monitor.watch(model)
     wrapped = wrap(model, env, cfg, draws, state)
     plan.after_wrap(unwrap(wrapped))
-    load_model(resume_path, name, saved, unwrap(wrapped))  # a sharded checkpoint's
+    load_model(resume_path, name, saved, unwrap(wrapped), session.kept)  # a sharded checkpoint's
     return wrapped

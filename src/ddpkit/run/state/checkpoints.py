@@ -28,6 +28,7 @@ from ddpkit.checkpoint import (
 )
 from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.checkpoint.dcp import SHARDED, save_sharded, save_sharded_async
+from ddpkit.checkpoint.kept import KeptFiles
 from ddpkit.checkpoint.store import begin_save, commit_save
 from ddpkit.diagnostics import check_replicas_agree
 from ddpkit.dist import DistEnv
@@ -59,6 +60,7 @@ def check_names(path: str, saved: dict, registered: list[str]) -> None:
 def restore_run(
     path: str,
     saved: dict,
+    kept: KeptFiles | None,
     objects: dict[str, Any],
     models: dict[str, nn.Module],
     env: DistEnv,
@@ -67,9 +69,12 @@ def restore_run(
 ) -> None:
     """At the loop's first batch: every registered object gets its part of the checkpoint at
     ``path``, the generators their state, and the replicas are checked to agree (``check``: the
-    one collective, and the line that says so; a run that leaves as it was makes neither)."""
+    one collective, and the line that says so; a run that leaves as it was makes neither). The DCP
+    files this rank hashed at resume are read from ``kept``, then dropped."""
     check_names(path, saved["state"], list(objects))
-    restore(objects, saved, env.rank, restore_parts(path, saved["state"], objects))
+    restore(objects, saved, env.rank, restore_parts(path, saved["state"], objects, kept))
+    if kept is not None:
+        kept.release()
     if not check:
         return
     for name, model in models.items():

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.checkpoint.dcp import is_sharded_entry, load_sharded, saved_keys
+from ddpkit.checkpoint.dcp import is_sharded_entry, load_sharded, saved_keys, saved_layout
+from ddpkit.checkpoint.kept import KeptFiles
 from ddpkit.errors import ConfigError
 from ddpkit.run.engine.fsdp import is_sharded, reshard
 from ddpkit.run.state.ema import EMA
-from ddpkit.run.step.optim import ungated
+from ddpkit.run.step.optim import ungated, user_class
 
 
 class ModelState:
@@ -98,13 +99,16 @@ def _owner(name: str, optimizer: torch.optim.Optimizer, objects: dict[str, Any])
     return None
 
 
-def load_model(path: str | None, name: str, saved: object, module: nn.Module) -> None:
+def load_model(
+    path: str | None, name: str, saved: object, module: nn.Module, kept: KeptFiles | None = None
+) -> None:
     """``run.setup``: a sharded checkpoint's weights into ``module``, once it is sharded (or not:
-    DCP gives a plain model the full tensors). Collective; nothing when ``saved`` is not sharded."""
+    DCP gives a plain model the full tensors), the files this rank hashed read from ``kept``.
+    Collective; nothing when ``saved`` is not sharded."""
     if not is_sharded_entry(saved):
         return
     part = ModelState(module)
-    theirs = {key.split(".", 1)[1] for key in saved_keys(path) if key.startswith(f"{name}.")}
+    theirs = {key.split(".", 1)[1] for key in saved_keys(path, kept) if key.startswith(f"{name}.")}
     mine = set(part.state_dict())
     if mine - theirs or (theirs - mine and not any(k.startswith("state.") for k in theirs)):
         first = sorted(mine - theirs or theirs - mine)[0]
@@ -113,14 +117,18 @@ def load_model(path: str | None, name: str, saved: object, module: nn.Module) ->
             f"model's tensors missing, {len(theirs - mine)} unknown; first {first!r}); resume from a "
             "checkpoint of this model, or start a new out"
         )
-    load_sharded(path, {name: part})
+    load_sharded(path, {name: part}, kept)
 
 
-def restore_parts(path: str, saved: dict[str, Any], objects: dict[str, Any]) -> set[str]:
-    """At the loop's first batch: the DCP part of every optimizer and EMA that has one; returns the names
-    of every part the DCP files hold (their models came back at ``run.setup``). Collective."""
+def restore_parts(
+    path: str, saved: dict[str, Any], objects: dict[str, Any], kept: KeptFiles | None = None
+) -> set[str]:
+    """At the loop's first batch: the DCP part of every optimizer and EMA that has one (the files this
+    rank hashed read from ``kept``); returns the names of every part the DCP files hold (their
+    models came back at ``run.setup``). Collective."""
     names = {name for name, value in saved.items() if is_sharded_entry(value)}
     parts: dict[str, Any] = {}
+    layout: dict[str, Any] = {}
     for name, obj in objects.items():
         if isinstance(obj, EMA) and (name in names or obj.sharded):
             if name not in names:
@@ -135,14 +143,75 @@ def restore_parts(path: str, saved: dict[str, Any], objects: dict[str, Any]) -> 
         owner = _owner(name, obj, objects)
         if name in names:
             parts[name] = OptimizerState(owner, obj)
+            layout = layout or saved_layout(path, kept)
+            template_state(name, obj, owner, layout)
         elif owner is not None and is_sharded(owner):
             raise ConfigError(
                 f"cannot resume optimizer {name!r} from {path}: it was saved unsharded (engine torch or "
                 "native) and this run shards its model; resume it with the engine that wrote it"
             )
     if parts:
-        load_sharded(Path(path), parts)
+        load_sharded(Path(path), parts, kept)
     return names
+
+
+# torch's optimizers whose state is the step count and tensors shaped and sharded as each parameter.
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Adagrad",
+        "Adadelta",
+        "ASGD",
+        "Rprop",
+    )
+)
+
+
+def template_state(name: str, optimizer: torch.optim.Optimizer, module: nn.Module, layout: dict) -> bool:
+    """Give an optimizer with no state yet the state the checkpoint holds for it, as zeros of each
+    saved tensor's shape and dtype (sharded as its parameter), for DCP to load into: without it,
+    torch's ``get/set_optimizer_state_dict`` make the state with an optimizer step at lr 0.
+
+    ``layout`` is the checkpoint's metadata (flattened key -> what DCP saved there). Only when
+    every saved state key of ``name`` belongs to a parameter of ``module`` by its name and every
+    one is a tensor, and for torch's own optimizers whose state is elementwise (``ELEMENTWISE``:
+    another's state may be shaped as a parameter and not sharded as it); otherwise nothing is set
+    and torch's step at lr 0 makes the state, as before. Returns whether the state was set."""
+    if optimizer.state or user_class(optimizer) not in ELEMENTWISE:
+        return False
+    params = {_plain_name(n): p for n, p in module.named_parameters()}
+    prefix = f"{name}.state."
+    state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for key, saved in layout.items():
+        if not key.startswith(prefix):
+            continue
+        fqn, _, kind = key[len(prefix) :].rpartition(".")
+        param, size = params.get(fqn), getattr(saved, "size", None)
+        if param is None or size is None:
+            return False  # a name this model does not have, or a value that is not a tensor
+        dtype = saved.properties.dtype
+        like = torch.zeros_like(param, dtype=dtype) if tuple(size) == tuple(param.shape) else None
+        state.setdefault(param, {})[kind] = like if like is not None else torch.zeros(size, dtype=dtype)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not state or any(id(param) not in in_optimizer for param in state):
+        return False
+    optimizer.state.update(state)
+    return True
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name as DCP's state dicts key it: without torch.compile's and activation
+    checkpointing's wrapper names."""
+    return ".".join(
+        part for part in name.split(".") if part not in ("_orig_mod", "_checkpoint_wrapped_module")
+    )
 
 
 SPREAD_BYTES = 256 * 2**20  # a full-copy checkpoint from this size on goes through DCP (sharded_save=None)

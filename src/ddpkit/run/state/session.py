@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ddpkit.checkpoint.kept import KeptFiles
 from ddpkit.checkpoint.lock import OutLock
 from ddpkit.dist import DistEnv, current_env, destroy, init_distributed
 from ddpkit.dist.init import DEFAULT_TIMEOUT, set_collective_timeout
@@ -34,6 +35,7 @@ class Session:
         self.lock: OutLock | None = None
         self.resume_path: str | None = None
         self.saved: dict | None = None  # the checkpoint, until the loop's first batch restores it
+        self.kept: KeptFiles | None = None  # its DCP files this rank hashed, until then too
 
     @staticmethod
     def _join(backend: str, diag: DiagnosticsConfig) -> DistEnv:
@@ -53,7 +55,7 @@ class Session:
         leaves (the group, OUT's lock) and the process exits with 0 (``SystemExit``) here, before
         anything is written and before any code of the script's after this call runs."""
         self.lock = OutLock(out) if out is not None and self.env.is_rank0 else None
-        self.resume_path = resume.resume_point(out, cfg, self.env, self.lock)
+        self.resume_path, self.kept = resume.resume_point(out, cfg, self.env, self.lock)
         if out is not None:
             note_out(out)  # for the launcher's restart line: where a restart goes on from
             restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -78,14 +80,17 @@ class Session:
         """The part ``name`` of the checkpoint the run continues from, before the loop restores it."""
         return self.saved["state"].get(name) if self.saved is not None else None
 
-    def take_saved(self) -> tuple[str, dict] | None:
-        """The checkpoint to restore (path, contents), once: the loop's first batch takes it."""
+    def take_saved(self) -> tuple[str, dict, KeptFiles | None] | None:
+        """The checkpoint to restore (path, contents, the files kept for its loads), once: the loop's
+        first batch takes it."""
         saved, self.saved = self.saved, None
-        return (self.resume_path, saved) if saved is not None else None
+        kept, self.kept = self.kept, None
+        return (self.resume_path, saved, kept) if saved is not None else None
 
     def leave(self) -> None:
         """Release OUT's lock and leave the process group the run created."""
         lock, self.lock = self.lock, None  # leaving twice (an error while leaving) does nothing
+        self.kept = None  # a run closed before its first batch holds no checkpoint bytes
         if lock is not None:
             lock.release()
         if self.owns_group:

@@ -180,11 +180,15 @@ class _GatedOptimizer:
     def __reduce_ex__(self, protocol: int) -> Any:
         # Pickles as the user's own class: the run is not part of the optimizer.
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
-        return _rebuild, (_user_class(self), state)
+        return _rebuild, (user_class(self), state)
 
 
 # An LR scheduler patches optimizer.step to notice calls unless the step is marked as patched.
 _GatedOptimizer.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+# torch wraps an optimizer class's step with its step hooks at every load_state_dict (its
+# __setstate__): marked as wrapped, the gate's step is not, so the user's hooks run once a step,
+# in the optimizer's own step, and not at the micro-batches the gate holds back (torch 2.4-2.13).
+_GatedOptimizer.step.hooked = True  # type: ignore[attr-defined]
 
 
 class _GatedScheduler:
@@ -203,7 +207,7 @@ class _GatedScheduler:
 
     def __reduce_ex__(self, protocol: int) -> Any:
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
-        return _rebuild, (_user_class(self), state)
+        return _rebuild, (user_class(self), state)
 
 
 def _at_step_end(name: str) -> Callable:
@@ -230,15 +234,17 @@ class _GatedAverage:
 
     def __reduce_ex__(self, protocol: int) -> Any:
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("ddpkit_")}
-        return _rebuild, (_user_class(self), state)
+        return _rebuild, (user_class(self), state)
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _user_class(obj: object) -> type:
-    return type(obj).__mro__[2]  # (the gated class, the mixin, the user's class, ...)
+def user_class(obj: object) -> type:
+    """The class the user made ``obj`` of, whether or not ``gate`` mixed its gate in."""
+    gated = isinstance(obj, _GatedOptimizer | _GatedScheduler | _GatedAverage)
+    return type(obj).__mro__[2] if gated else type(obj)  # (the gated class, the mixin, the user's class, ...)
 
 
 def _rebuild(cls: type, state: dict) -> object:
