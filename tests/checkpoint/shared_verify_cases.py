@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.checkpoint.files import hashed_bytes
+from ddpkit.checkpoint.files import hashed_bytes, mapped_bytes
 
 
 def _run(out: str, steps: int) -> ddpkit.Run:
@@ -54,9 +54,10 @@ def hashed_resuming(out: str, steps: int) -> int:
 
 
 def rchar() -> int:
-    """Bytes this process has read through read calls (Linux ``/proc/self/io``)."""
+    """Bytes this process has read from files: through read calls (Linux ``/proc/self/io``), and
+    the checkpoint files hashed through a mapping, whose pages read calls do not see."""
     with open("/proc/self/io", encoding="ascii") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:")) + mapped_bytes()
 
 
 def read_resuming(out: str, steps: int, wide: int) -> tuple[int, int]:

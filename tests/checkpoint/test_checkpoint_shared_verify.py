@@ -113,10 +113,11 @@ def test_each_rank_reads_nothing_back_at_save_and_its_share_at_resume(tmp_path):
 
 @pytest.mark.slow
 def test_each_rank_reads_its_share_once_at_resume(tmp_path):
-    """Counted from Run() to the end of the first batch (/proc/self/io's rchar): the DCP files a
-    rank hashes are the ones it loads, kept from the hash for the loads, so it reads its share once
-    (within 10%, plus the manifest and DCP's .metadata), not once to hash and again to load. The
-    optimizer's state is made from the checkpoint's metadata: no optimizer step at lr 0."""
+    """Counted from Run() to the end of the first batch (/proc/self/io's rchar, plus the files
+    hashed through a mapping): the DCP files a rank hashes are the ones it loads, mapped from the
+    hash to the loads, so it reads its share once (within 10%, plus the manifest and DCP's
+    .metadata), not once to hash and again to load. The optimizer's state is made from the
+    checkpoint's metadata: no optimizer step at lr 0."""
     out = str(tmp_path / "run")
     fresh = ddpkit.launch(read_resuming, 2, (out, 2, 512), start_method=FORKSERVER)  # what a run reads anyway
     path = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]

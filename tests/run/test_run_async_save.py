@@ -16,3 +16,10 @@ def test_async_saves_change_nothing_and_a_kill_in_the_write_resumes_bit_equal(tm
     # torch: rank 0 writes state.pt in its thread. fsdp: every rank's thread writes its shards
     # through DCP's async_save, rank 0's commits the folder once all digests are in.
     check_async_saves(tmp_path, engine, 2)
+
+
+def test_a_background_copy_is_done_before_a_forward_changes_running_statistics(tmp_path):
+    # fsdp with BatchNorm: the shards' copy, slowed, must be over before the next forward updates
+    # the running statistics it copies (not only before the optimizer step). One process: on two,
+    # each rank's statistics are its own and DCP saves one rank's copy of a replicated buffer.
+    check_async_saves(tmp_path, "fsdp", 1, "--batchnorm")

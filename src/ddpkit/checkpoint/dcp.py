@@ -107,8 +107,9 @@ def save_sharded_async(
     """``save_sharded`` in the background (``async_save``); the folder it will be on rank 0.
     Collective.
 
-    The step waits for the last write to land (one at a time), for DCP's ``async_save`` to copy
-    this rank's shards into host memory, and on rank 0 for a host copy of ``state``. Then each
+    The step waits for the last write to land (one at a time) and on rank 0 for a host copy of
+    ``state``; DCP's ``async_save`` copies this rank's shards into host memory in a thread of the
+    stager's, which the run waits for before it changes them (``BackgroundWriter.wait_staged``). Then each
     rank's writer thread lets DCP write its files, hashes them and sends the digests to rank 0's,
     which commits the folder as ``save_sharded`` does. The threads' collectives (DCP's plan, the
     digests) go over a gloo group of their own, so they never interleave with the training's.
@@ -120,12 +121,15 @@ def save_sharded_async(
         writer.group = dist.new_group(backend="gloo")
     final, tmp = _begin(directory, step, state, rank0, keep_last)
     storage = hashing_writer(tmp)
-    shards_written = dcp.async_save(
+    writer.stage_synchronize()
+    response = dcp.async_save(
         shards,
         storage_writer=storage,
         process_group=writer.group,
         async_stager=writer.stager,  # its host buffers serve every save of the run
     )
+    # The stager copies in the background: DCP answers with the copy's future and the write's.
+    writer.staged, shards_written = response.staging_completion, response.upload_completion
     copied = writer.copy(state) if rank0 else None
     group = writer.group
 

@@ -30,6 +30,7 @@ _RENAME_EXCHANGE = 2  # from <linux/fs.h>
 DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 DIGEST = "xxh3_128"
 _hashed = [0]  # bytes digest_file read in this process, for hashed_bytes()
+_mapped = [0]  # of those, the bytes hashed through a mapping, for mapped_bytes()
 
 
 def digest_file(path: Path, kind: str = DIGEST, chunk_bytes: int = 1 << 24) -> str:
@@ -91,9 +92,16 @@ class HashedWrite:
         self.close()
 
 
-def count_hashed(size: int) -> None:
-    """Count ``size`` bytes hashed outside ``digest_file`` (a file read whole: checkpoint/kept.py)."""
+def count_hashed(size: int, mapped: bool = False) -> None:
+    """Count ``size`` bytes hashed outside ``digest_file``; ``mapped``: through a mapping of the
+    file (checkpoint/kept.py), which read calls (Linux ``rchar``) do not see."""
     _hashed[0] += size
+    _mapped[0] += size if mapped else 0
+
+
+def mapped_bytes() -> int:
+    """The bytes this process has hashed through mappings of their files (``count_hashed``)."""
+    return _mapped[0]
 
 
 def hashed_bytes() -> int:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import NotImplementedType
 
 from ddpkit.checkpoint.files import DIGEST, DIGESTS, digest_file
 from ddpkit.version import __version__
 
-if TYPE_CHECKING:
-    from ddpkit.checkpoint.kept import KeptFiles
+Keep = Callable[[str, dict], str | NotImplementedType | None]  # verify_share's check-and-keep of a file
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -131,21 +131,19 @@ def _problems(path: Path, check) -> list[str]:
     return [p for p in found if p] + manifest_problems(path, manifest)
 
 
-def verify_share(path: Path, rank: int, world_size: int, kept: KeptFiles | None = None) -> list[str]:
+def verify_share(path: Path, rank: int, world_size: int, keep: Keep | None = None) -> list[str]:
     """The problems of this rank's share of a checkpoint's files (``share``), each hashed here;
-    ``kept`` keeps the bytes of the DCP files among them, read once, for the loads to come."""
+    ``keep(name, entry)`` checks a file first and keeps it for the loads to come (it returns
+    NotImplemented for a file it leaves to the read calls here: checkpoint/kept.py)."""
     try:
         manifest = read_manifest(path)
     except (FileNotFoundError, ValueError) as exc:
         return [f"unreadable {MANIFEST} ({exc})"]
-    names = share(sorted(manifest["files"]), rank, world_size)
-    keep = set(kept.plan(names, manifest)) if kept is not None else set()
-    found = (
-        kept.check(name, manifest["files"][name])
-        if name in keep
-        else _check_file(path / name, manifest["files"][name])
-        for name in names
-    )
+    found = []
+    for name in share(sorted(manifest["files"]), rank, world_size):
+        entry = manifest["files"][name]
+        problem = keep(name, entry) if keep is not None else NotImplemented
+        found.append(_check_file(path / name, entry) if problem is NotImplemented else problem)
     return [p for p in found if p]
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.checkpoint import CheckpointError, load_checkpoint, resolve_resume
-from ddpkit.checkpoint.kept import KeptFiles, budget
+from ddpkit.checkpoint.kept import KeptFiles
 from ddpkit.checkpoint.lock import OutLock
 from ddpkit.checkpoint.manifest import verify_share
 from ddpkit.dist import DistEnv
@@ -30,7 +30,7 @@ def resume_point(
     out: Path | None, cfg: CheckpointConfig, env: DistEnv, lock: OutLock | None
 ) -> tuple[str | None, KeptFiles | None]:
     """The one decision of whether, and from where, this run continues: the checkpoint's path and
-    the DCP files this rank hashed, kept for its loads (``checkpoint/kept.py``). Collective.
+    the DCP files this rank hashed, kept mapped for its loads (``checkpoint/kept.py``). Collective.
 
     Rank 0 takes the folder's lock (one run per folder), chooses from manifests and sizes (so
     every rank loads the same checkpoint even if a newer one appears while they look) and
@@ -56,12 +56,11 @@ def resume_point(
         if choice[0] is None:
             return None, None
         path = Path(choice[0])
-        kept = KeptFiles(path, budget(env.local_world_size))
+        kept = KeptFiles(path)
         everyone: list = [None] * env.world_size
-        dist.all_gather_object(everyone, (verify_share(path, env.rank, env.world_size, kept), kept.not_kept))
-        problems = [problem for found, _ in everyone for problem in found]
+        dist.all_gather_object(everyone, verify_share(path, env.rank, env.world_size, kept.check))
+        problems = [problem for found in everyone for problem in found]
         if not problems:
-            _say_not_kept(max(not_kept for _, not_kept in everyone), env)
             return str(path), kept
         kept.release()
         if _explicit(out, cfg, env):
@@ -71,15 +70,6 @@ def resume_point(
                 "checkpoint %s is corrupt (%s); falling back to the previous one", path, "; ".join(problems)
             )
         bad.add(path)
-
-
-def _say_not_kept(most: int, env: DistEnv) -> None:
-    if most and env.is_rank0:
-        log.info(
-            "a rank's share of the checkpoint's DCP files (%d MiB) is over a quarter of the memory "
-            "available to each rank: they are read twice at resume, hashed and then loaded",
-            most // 2**20,
-        )
 
 
 def _explicit(out: Path | None, cfg: CheckpointConfig, env: DistEnv) -> bool:

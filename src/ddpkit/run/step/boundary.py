@@ -61,6 +61,9 @@ class Boundary:
         self.final = False  # the last checkpoint written is marked as the command's finished run
         self.saves: tuple[int, Any] = (0, None)  # checkpoints this process wrote, and the last
         self.writer = BackgroundWriter() if ckpt_cfg.async_save else None  # rank 0's, async_save
+        if self.writer is not None:
+            gate.before_update = self.writer.wait_staged
+        self.buffers = False  # a saved model has buffers a forward may change (BatchNorm's statistics)
         self.preemption = Preemption(ckpt_cfg.preempt_signals, self.env.collective_device)
         self.replicas = ReplicaCheck(self.env, monitor.phase, models)
 
@@ -160,9 +163,16 @@ class Boundary:
         path = checkpoints.save(
             self.out / "checkpoints", step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
         )
+        self.buffers = any(b.is_floating_point() for m in self.models.values() for b in m.buffers())
         if path is not None:  # quiet: one line at the run's end says how many and the last
             log.debug("saved %s", path)
             self.saves = (self.saves[0] + 1, path)
+
+    def before_forward(self) -> None:
+        """Before a micro-batch: a model whose buffers a forward may change waits for a checkpoint's
+        background copy to be done (async_save); the weights wait only for the optimizer step."""
+        if self.writer is not None and self.buffers:
+            self.writer.wait_staged()
 
     def landed(self) -> None:
         """Wait for a checkpoint written in the background (async_save) to land."""

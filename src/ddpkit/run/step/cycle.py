@@ -184,6 +184,7 @@ class StepCycle:
     def enter(self, micro: Micro, tokens: int = 0) -> None:
         """The loop is about to get ``micro``'s batch (of ``tokens`` tokens that count)."""
         self.micro = micro
+        self.boundary.before_forward()
         self.state.micro_batches += 1
         self.state.accumulating = not micro.last
         self.draws.enter(self.step, micro)

@@ -58,6 +58,9 @@ class OptimizerGate:
         self.lr_optimizer: torch.optim.Optimizer | None = None  # the first tracked optimizer
         self.norms = NormWatch()  # on_nonfinite="stop": each step's norm, read a step later
         self.inner = False  # the GradScaler (or DCP) calling a gated optimizer's own step
+        # Before a real step or an average's update changes what a checkpoint's background copy
+        # is reading (async_save): wait for that copy (BackgroundWriter.wait_staged).
+        self.before_update: Callable[[], None] = lambda: None
         self._stepped_at = -1  # the step a tracked optimizer last really stepped in
         self._waited_at = (-1, -1)  # (step, micro-batch) a tracked optimizer's step last waited in
         self._stepped: set[int] = set()  # ids of the optimizers stepped since their zero_grad
@@ -125,6 +128,7 @@ class OptimizerGate:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable, closure: Any) -> Any:
         """A gated optimizer's real step: unscale, clip, and stop or skip on a non-finite norm."""
+        self.before_update()
         step_number = self.state.step
         self._stepped_at = step_number
         self._stepped.add(id(optimizer))
@@ -216,6 +220,7 @@ def _at_step_end(name: str) -> Callable:
     def method(self, *args: Any, **kwargs: Any) -> Any:
         if self.ddpkit_gate.state.accumulating:
             return None  # not the step's last micro-batch: the weights have not moved
+        self.ddpkit_gate.before_update()
         return getattr(super(_GatedAverage, self), name)(*args, **kwargs)
 
     return method
