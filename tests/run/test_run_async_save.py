@@ -20,6 +20,7 @@ def test_async_saves_change_nothing_and_a_kill_in_the_write_resumes_bit_equal(tm
 
 def test_a_background_copy_is_done_before_a_forward_changes_running_statistics(tmp_path):
     # fsdp with BatchNorm: the shards' copy, slowed, must be over before the next forward updates
-    # the running statistics it copies (not only before the optimizer step). One process: on two,
-    # each rank's statistics are its own and DCP saves one rank's copy of a replicated buffer.
-    check_async_saves(tmp_path, "fsdp", 1, "--batchnorm")
+    # the running statistics it copies (not only before the optimizer step). On 2 processes each
+    # rank's statistics differ after a forward, and DCP writes one rank's copy of a replicated
+    # buffer: the save gives every rank rank 0's first, which the next forward would anyway.
+    check_async_saves(tmp_path, "fsdp", 2, "--batchnorm")

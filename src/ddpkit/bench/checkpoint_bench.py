@@ -18,10 +18,11 @@ GPT of about 30M parameters with AdamW through ``ddpkit.Run`` and times, in alte
   (a host copy and a thread's ``torch.save`` on rank 0, or ``dcp.async_save``) and the step, the
   floor of saving in the background on this machine.
 
-Beside the times, the bytes each rank reads through read calls (``/proc/self/io``'s ``rchar``;
-the most of any rank) in a save (``read@save``: nothing is read back to hash it) and in a resumed
-start (``read@resume``), against the checkpoint's bytes over the ranks (``S/N``): every rank
-hashes state.pt, which it then maps, and the DCP files it loads back itself.
+Beside the times, the bytes each rank reads from files (``/proc/self/io``'s ``rchar``, plus the
+DCP files hashed through a mapping; the most of any rank) in a save (``read@save``: nothing is
+read back to hash it) and in a resumed start (``read@resume``), against the checkpoint's bytes
+over the ranks (``S/N``): every rank hashes state.pt, which it then maps, and the DCP files it
+loads back itself, which its loads read through the same mapping.
 
 Then the start-up, from ``ddpkit.Run(...)`` to the end of the first step, resuming from the last
 checkpoint (``resumed``) and from a fresh folder (``fresh``), and the plain load of the same form:
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 import ddpkit
+from ddpkit.checkpoint.files import mapped_bytes
 from ddpkit.errors import OneLineParser
 from ddpkit.launch import launch
 from ddpkit.models import GPT, GPTConfig
@@ -71,10 +73,11 @@ def _timed(fn, *args) -> float:
 
 
 def _read_calls() -> int:
-    """Bytes this process has read through read calls so far (Linux ``rchar``; -1 elsewhere)."""
+    """Bytes this process has read from files so far: through read calls (Linux ``rchar``; -1
+    elsewhere) and the checkpoint files hashed through a mapping, which read calls do not see."""
     try:
         with open("/proc/self/io", encoding="ascii") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:")) + mapped_bytes()
     except (OSError, StopIteration):
         return -1
 

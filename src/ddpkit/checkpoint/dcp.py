@@ -128,8 +128,10 @@ def save_sharded_async(
         process_group=writer.group,
         async_stager=writer.stager,  # its host buffers serve every save of the run
     )
-    # The stager copies in the background: DCP answers with the copy's future and the write's.
-    writer.staged, shards_written = response.staging_completion, response.upload_completion
+    # The stager copies in the background: DCP answers with the copy's future and the write's
+    # (an older torch with the write's alone, once its stager has copied).
+    writer.staged = getattr(response, "staging_completion", None)
+    shards_written = getattr(response, "upload_completion", response)
     copied = writer.copy(state) if rank0 else None
     group = writer.group
 

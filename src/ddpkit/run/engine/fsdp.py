@@ -14,6 +14,7 @@ reduce-scatter after their backward) is ``groups``: the classes the user names i
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -78,7 +79,17 @@ def shard(model: nn.Module, env: DistEnv, cfg: EngineConfig) -> nn.Module:
     watch_forward_order(model, sharded, env)  # over gloo: a rank skipping a group is one line
     if cfg.broadcast_buffers and any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_broadcast_buffers)
+        _BROADCASTING.add(model)
     return model
+
+
+# The sharded models whose buffers are rank 0's before each forward (engine option broadcast_buffers).
+_BROADCASTING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def broadcasts_buffers(model: nn.Module) -> bool:
+    """True when ``shard`` made ``model`` copy rank 0's buffers to every rank before each forward."""
+    return model in _BROADCASTING
 
 
 def _no_deepcopy(module: nn.Module, memo: dict) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import CheckpointConfig
+from ddpkit.run.engine.wrap import sync_buffers
 from ddpkit.run.monitor.monitor import Monitor
 from ddpkit.run.state import checkpoints
 from ddpkit.run.state.session import Session
@@ -159,6 +160,8 @@ class Boundary:
         if between:
             self.flush_between(step, epoch)
         self.monitor.phase(step, "checkpoint: RNG states all_gather_object")
+        for model in self.models.values():  # the buffers the next forward uses, whoever writes them
+            sync_buffers(model)
         finished = {**checkpoints.command(self.steps), "epoch": epoch_reached} if final else None
         path = checkpoints.save(
             self.out / "checkpoints", step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
