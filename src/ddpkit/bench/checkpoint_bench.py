@@ -41,25 +41,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
 import ddpkit
+from ddpkit.bench import plain_checkpoint as plain
 from ddpkit.checkpoint.files import mapped_bytes
 from ddpkit.errors import OneLineParser
 from ddpkit.launch import launch
 from ddpkit.models import GPT, GPTConfig
-from ddpkit.run.engine.wrap import unwrap
 
 
 def _gpt() -> GPT:
@@ -68,6 +64,10 @@ def _gpt() -> GPT:
 
 
 def _timed(fn, *args) -> float:
+    """Seconds of ``fn(*args)`` on this rank, started together, once the disk has taken every write
+    before it (``os.sync``): no save pays for the writeback of the ones before, which would
+    otherwise land on ddpkit's, the first after each step."""
+    os.sync()
     dist.barrier()
     start = time.perf_counter()
     fn(*args)
@@ -83,76 +83,6 @@ def _read_calls() -> int:
             return next(int(line.split()[1]) for line in f if line.startswith("rchar:")) + mapped_bytes()
     except (OSError, StopIteration):
         return -1
-
-
-def _torch_save(model, optimizer, path: Path, atomic: bool) -> None:
-    """The tutorials' save on rank 0: ``torch.save`` of the state dicts, fsynced; ``atomic``: into a
-    new file renamed over the last (what a save that may be killed needs), else over the same file."""
-    if dist.get_rank() != 0:
-        return
-    target = path.with_suffix(".tmp") if atomic else path
-    torch.save({"model": unwrap(model).state_dict(), "optim": optimizer.state_dict()}, target)
-    with open(target, "rb+") as f:
-        os.fsync(f.fileno())
-    if atomic:
-        os.replace(target, path)
-
-
-def _dcp_save(model, optimizer, folder: Path, last: Path | None) -> None:
-    """``dcp.save`` into a new folder, and the last one removed (as torchtitan's keep_latest_k)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
-    dist.barrier()
-    if last is not None and dist.get_rank() == 0:
-        shutil.rmtree(last)
-
-
-def _dcp_load(model, folder: Path) -> None:
-    """What a plain script resuming through DCP does, as a resumed Run does: a new optimizer (so
-    its state is made to load into), ``dcp.load`` of model and optimizer, both set."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    module = unwrap(model)
-    for param in module.parameters():
-        param.grad = None  # as in a new process: DCP makes the new optimizer's state by a step at lr 0
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    model_state, optim_state = get_state_dict(module, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def _torch_load(model, path: Path) -> None:
-    """What a plain script resuming from ``torch.save``'s file does: ``torch.load`` on every rank,
-    the model's and a new optimizer's ``load_state_dict``."""
-    module = unwrap(model)
-    state = torch.load(path, weights_only=True, map_location=next(module.parameters()).device)
-    module.load_state_dict(state["model"])
-    torch.optim.AdamW(module.parameters(), lr=1e-4).load_state_dict(state["optim"])
-
-
-def _plain_async(model, optimizer, path: Path, engine: str, group) -> Callable[[], object]:
-    """The plain background save, started; returns the wait for it. Rank 0 copies the state dicts
-    to the CPU and a thread writes them with ``torch.save`` (torch engine), or every rank's
-    ``dcp.async_save`` (fsdp), over ``group``, a gloo group of its own (as ddpkit's: never the training's)."""
-    if engine == "fsdp":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        return dcp.async_save(state, checkpoint_id=str(path), process_group=group).result
-    if dist.get_rank() != 0:
-        return lambda: None
-    state = {"model": unwrap(model).state_dict(), "optim": optimizer.state_dict()}
-    copied = tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, state)
-    thread = threading.Thread(target=torch.save, args=(copied, path))
-    thread.start()
-    return thread.join
 
 
 def _session(out: str, engine: str, async_save: bool) -> tuple:
@@ -204,12 +134,12 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
         times["save"].append(_timed(run.save))  # between epochs: the checkpoint, now
         read["save"] = max(read["save"], _read_calls() - before)
         if engine != "fsdp":  # a full state dict on rank 0 is not what a sharded run saves
-            times["torch.save"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", True))
-            times["overwrite"].append(_timed(_torch_save, model, optimizer, out / "plain.pt", False))
-            times["torch.load"].append(_timed(_torch_load, model, out / "plain.pt"))
+            times["torch.save"].append(_timed(plain.torch_save, model, optimizer, out / "plain.pt", True))
+            times["overwrite"].append(_timed(plain.torch_save, model, optimizer, out / "plain.pt", False))
+            times["torch.load"].append(_timed(plain.torch_load, model, out / "plain.pt"))
         last = out / f"dcp-{i - 1}" if i else None
-        times["dcp.save"].append(_timed(_dcp_save, model, optimizer, out / f"dcp-{i}", last))
-        times["dcp.load"].append(_timed(_dcp_load, model, out / f"dcp-{i}"))
+        times["dcp.save"].append(_timed(plain.dcp_save, model, optimizer, out / f"dcp-{i}", last))
+        times["dcp.load"].append(_timed(plain.dcp_load, model, out / f"dcp-{i}"))
     through_dcp = any((out / "sync" / "checkpoints").glob("step-*/.metadata"))
     run.close()  # no final checkpoint: the last run.save() is what the resume below starts from
     run, model, optimizer, step = _session(str(out / "async"), engine, True)
@@ -217,7 +147,7 @@ def _rank(engine: str, rounds: int, folder: str) -> dict:
     group, started = dist.new_group(backend="gloo"), []
 
     def plain_async_then_step(path: Path) -> None:
-        started.append(_plain_async(model, optimizer, path, engine, group))
+        started.append(plain.plain_async(model, optimizer, path, engine, group))
         step()
 
     for i in range(rounds):

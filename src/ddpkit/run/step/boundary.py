@@ -166,7 +166,8 @@ class Boundary:
         path = checkpoints.save(
             self.out / "checkpoints", step, self.objects, self.env, self.ckpt_cfg, finished, self.writer
         )
-        self.buffers = any(b.is_floating_point() for m in self.models.values() for b in m.buffers())
+        if self.writer is not None:  # the background copy may still read them at the next forward
+            self.buffers = any(b.is_floating_point() for m in self.models.values() for b in m.buffers())
         if path is not None:  # quiet: one line at the run's end says how many and the last
             log.debug("saved %s", path)
             self.saves = (self.saves[0] + 1, path)
