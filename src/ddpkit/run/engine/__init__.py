@@ -4,5 +4,6 @@ forward_order.py) or, in a world of one, ``LocalEngine`` (local.py); its config 
 errors it raises (errors.py), mixed precision (precision.py), activation recomputation with the
 same draws (recompute.py), the checks that every rank built the same model (models.py), and a
 meta model's values at setup from a weights file or its own initialization (materialize.py, which
-reads the file through weights_source.py).
+reads the file through weights_source.py), and rank 0's buffers given to every rank before a
+checkpoint, as before a forward (buffers.py).
 """

@@ -21,10 +21,10 @@ from ddpkit.dist import DistEnv
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import DataParallel
 from ddpkit.parallel.compression import parse_powersgd
-from ddpkit.parallel.sync import broadcast_coalesced, call_module, eager, managed_buffers
+from ddpkit.parallel.sync import broadcast_coalesced, call_module, eager
 from ddpkit.run.config import EngineConfig
 from ddpkit.run.engine.errors import trainable_error, unused_error, unused_names
-from ddpkit.run.engine.fsdp import broadcasts_buffers, is_sharded, set_sync, shard
+from ddpkit.run.engine.fsdp import is_sharded, set_sync, shard
 from ddpkit.run.engine.local import LocalEngine
 from ddpkit.run.engine.materialize import has_meta
 from ddpkit.run.engine.precision import autocast_forward
@@ -249,25 +249,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def sync_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers now, when the engine around ``model`` does so before each
-    forward anyway (broadcast_buffers): a checkpoint then holds the buffers the next forward
-    would use on every rank, whichever rank writes them (DCP writes one copy of a replicated
-    tensor, from any rank). Collective; nothing on one process or when buffers are the ranks' own."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    engine = model
-    while not isinstance(engine, DataParallel | DistributedDataParallel) and hasattr(engine, "_orig_mod"):
-        engine = engine._orig_mod  # torch.compile's wrapper, around the engine's
-    if isinstance(engine, DataParallel | DistributedDataParallel):
-        buffers = managed_buffers(engine.module) if engine.broadcast_buffers else []
-    else:
-        bare = unwrap(model)
-        buffers = list(bare.buffers()) if is_sharded(bare) and broadcasts_buffers(bare) else []
-    if buffers:
-        broadcast_coalesced(buffers, dist.group.WORLD, 0)
 
 
 def set_grad_sync(models: Iterable[nn.Module], sync: bool) -> None:

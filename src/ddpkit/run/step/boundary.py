@@ -20,7 +20,7 @@ from torch import nn
 from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.errors import ConfigError
 from ddpkit.run.config import CheckpointConfig
-from ddpkit.run.engine.wrap import sync_buffers
+from ddpkit.run.engine.buffers import sync_buffers
 from ddpkit.run.monitor.monitor import Monitor
 from ddpkit.run.state import checkpoints
 from ddpkit.run.state.session import Session
